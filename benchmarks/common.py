@@ -1,0 +1,85 @@
+"""Timing, environment capture and result files shared by the benchmarks."""
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 3,
+            repeats: int = 10) -> Dict[str, float]:
+    """Median (and spread) of ``fn``'s time in ms: CUDA events on a GPU,
+    ``perf_counter`` on the CPU, after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    times: List[float] = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times),
+            "repeats": repeats}
+
+
+def environment(device: torch.device) -> Dict[str, object]:
+    env = {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "command": " ".join([Path(sys.executable).name] + sys.argv),
+        "device": str(device),
+    }
+    try:
+        import torch_geometric
+        env["torch_geometric"] = torch_geometric.__version__
+    except ImportError:
+        pass
+    try:
+        from pyg_maxk.kernels import cuda_module
+        cuda_module()
+        import numba
+        import numpy
+        env["numba"] = numba.__version__
+        env["numpy"] = numpy.__version__
+        from importlib.metadata import version
+        env["numba_cuda"] = version("numba-cuda")
+    except Exception as err:  # pragma: no cover
+        env["numba"] = f"unavailable: {err}"
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env["gpu"] = props.name
+        env["gpu_memory_gb"] = round(props.total_memory / 2**30, 1)
+        env["multiprocessors"] = props.multi_processor_count
+    else:
+        env["cpu_threads"] = torch.get_num_threads()
+    return env
+
+
+def write_json(name: str, payload: Dict[str, object], out_dir: Path = RESULTS) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2, sort_keys=False))
+    return path
+
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))

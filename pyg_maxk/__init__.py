@@ -1,0 +1,16 @@
+"""pyg-maxk: MaxK-GNN training for PyTorch Geometric.
+
+MaxK keeps the ``k`` largest features of every node; the result is stored as
+CBSR and aggregated by a sparse-sparse product (Numba CUDA kernels on GPUs).
+"""
+from .backend import get_backend, use_backend
+from .cbsr import CBSR, index_dtype_for
+from .graph import CSRGraph, clear_graph_cache
+from .ops import aggregate, maxk
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CBSR", "CSRGraph", "aggregate", "clear_graph_cache", "get_backend",
+    "index_dtype_for", "maxk", "use_backend", "__version__",
+]

@@ -1,0 +1,439 @@
+"""The CSR graph that every MaxK aggregation runs on, with its cached kernel
+work schedule.
+
+Rows are target nodes, columns source nodes, so that row ``i`` lists the
+neighbours whose messages node ``i`` aggregates:
+
+.. math::
+    \\mathbf{out}_i = \\sum_{e = (j \\rightarrow i)} a_e \\, \\mathbf{x}_j
+
+The edge values ``a_e`` carry the layer's normalisation (``"sum"``: the
+adjacency's own values or 1, ``"mean"``: divided by the in-degree, ``"gcn"``:
+the symmetric normalisation of :func:`torch_geometric.nn.conv.gcn_conv.gcn_norm`).
+
+A graph is built from any adjacency form that PyG's stock convs accept and is
+cached, so that every layer, the backward pass and later epochs reuse it. The
+cache never returns a stale graph: it is keyed on the identity *and* the
+in-place version counter of every tensor the graph was built from.
+"""
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Dict, Hashable, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+NORMALIZATIONS = ("sum", "mean", "gcn")
+INT32_MAX = 2**31 - 1
+
+
+def _is_sparse_tensor(adj: Any) -> bool:
+    """True for a :class:`torch_sparse.SparseTensor` (without importing it)."""
+    return type(adj).__name__ == "SparseTensor" and hasattr(adj, "storage")
+
+
+def _is_torch_sparse(adj: Any) -> bool:
+    return isinstance(adj, Tensor) and adj.layout in (
+        torch.sparse_coo, torch.sparse_csr, torch.sparse_csc)
+
+
+def _is_edge_index_type(adj: Any) -> bool:
+    try:
+        from torch_geometric import EdgeIndex
+    except ImportError:  # pragma: no cover - very old PyG
+        return False
+    return isinstance(adj, EdgeIndex)
+
+
+@dataclass(frozen=True)
+class WorkSchedule:
+    """How the kernels cut the CSR rows into balanced work items.
+
+    Item ``t`` aggregates edges ``[start[t], end[t])`` of row ``row[t]``; a row
+    with more than ``max_edges`` edges is cut into several items, flagged in
+    ``split`` so that their partial sums are combined with atomics. Rows
+    without edges have no item.
+    """
+    max_edges: int
+    row: Tensor    # [T] int32
+    start: Tensor  # [T] int32
+    end: Tensor    # [T] int32
+    split: Tensor  # [T] uint8
+
+    @property
+    def num_items(self) -> int:
+        return self.row.numel()
+
+
+class CSRGraph:
+    r"""A sparse adjacency in CSR form, row = target node.
+
+    Args:
+        rowptr (torch.Tensor): row pointers, shape ``[num_dst + 1]``.
+        col (torch.Tensor): source node of every edge, shape ``[E]``, sorted by
+            row; the same integer type as :obj:`rowptr`.
+        weight (torch.Tensor, optional): edge values ``a_e``, shape ``[E]``;
+            :obj:`None` means all ones.
+        size (tuple): ``(num_src, num_dst)``.
+        normalization (str): which normalisation :obj:`weight` already holds
+            (``"sum"``, ``"mean"`` or ``"gcn"``); layers check it.
+
+    Build one with :meth:`from_adj` rather than by hand.
+    """
+
+    def __init__(self, rowptr: Tensor, col: Tensor, weight: Optional[Tensor],
+                 size: Tuple[int, int], normalization: str = "sum") -> None:
+        if normalization not in NORMALIZATIONS:
+            raise ValueError(f"Unknown normalization {normalization!r}; "
+                             f"choose one of {NORMALIZATIONS}")
+        num_src, num_dst = int(size[0]), int(size[1])
+        if rowptr.numel() != num_dst + 1:
+            raise ValueError(f"rowptr has {rowptr.numel()} entries, expected "
+                             f"num_dst + 1 = {num_dst + 1}")
+        if weight is not None and weight.numel() != col.numel():
+            raise ValueError("weight and col must have one entry per edge")
+        self.rowptr = rowptr
+        self.col = col
+        self.weight = weight
+        self.num_src = num_src
+        self.num_dst = num_dst
+        self.normalization = normalization
+        self._torch_csr: Dict[Tuple[torch.dtype, bool], Tensor] = {}
+        self._schedules: Dict[int, WorkSchedule] = {}
+
+    # ------------------------------------------------------------------ info
+    @property
+    def size(self) -> Tuple[int, int]:
+        return (self.num_src, self.num_dst)
+
+    @property
+    def num_edges(self) -> int:
+        return self.col.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.col.device
+
+    def in_degree(self) -> Tensor:
+        """Number of edges (multi-edges counted) into every target node."""
+        return self.rowptr[1:] - self.rowptr[:-1]
+
+    def to(self, device: torch.device | str) -> "CSRGraph":
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        weight = None if self.weight is None else self.weight.to(device)
+        return CSRGraph(self.rowptr.to(device), self.col.to(device), weight,
+                        self.size, self.normalization)
+
+    def __repr__(self) -> str:
+        return (f"CSRGraph(num_src={self.num_src}, num_dst={self.num_dst}, "
+                f"num_edges={self.num_edges}, normalization="
+                f"'{self.normalization}', weighted={self.weight is not None}, "
+                f"device={self.device})")
+
+    # ------------------------------------------------------- derived forms
+    def torch_csr(self, dtype: torch.dtype) -> Tensor:
+        """The adjacency as a ``torch.sparse_csr`` tensor ``[num_dst, num_src]``
+        of values in ``dtype`` (cached)."""
+        key = (dtype, False)
+        csr = self._torch_csr.get(key)
+        if csr is None:
+            weight = (torch.ones(self.num_edges, dtype=dtype, device=self.device)
+                      if self.weight is None else self.weight.to(dtype))
+            with warnings.catch_warnings():  # "sparse CSR support is in beta"
+                warnings.simplefilter("ignore", UserWarning)
+                csr = torch.sparse_csr_tensor(self.rowptr, self.col, weight,
+                                              size=(self.num_dst, self.num_src),
+                                              check_invariants=False)
+            self._torch_csr[key] = csr
+        return csr
+
+    def schedule(self, max_edges: int) -> WorkSchedule:
+        """The kernels' work items with at most ``max_edges`` edges each,
+        computed on the graph's device once and cached."""
+        max_edges = int(max_edges)
+        if max_edges < 1:
+            raise ValueError("max_edges must be positive")
+        cached = self._schedules.get(max_edges)
+        if cached is not None:
+            return cached
+        if self.num_edges > INT32_MAX or self.num_dst > INT32_MAX:
+            raise ValueError(
+                f"The pyg_maxk kernels index edges with int32 and this graph has "
+                f"{self.num_edges} edges and {self.num_dst} rows (limit "
+                f"{INT32_MAX}). Split the graph (e.g. NeighborLoader) or use "
+                f"the 'torch' backend.")
+        rowptr = self.rowptr.long()
+        deg = rowptr[1:] - rowptr[:-1]
+        pieces = (deg + (max_edges - 1)) // max_edges
+        rows = torch.arange(self.num_dst, device=self.device)
+        item_row = torch.repeat_interleave(rows, pieces)
+        first_item = torch.cumsum(pieces, 0) - pieces
+        piece = torch.arange(item_row.numel(), device=self.device) - first_item[item_row]
+        start = rowptr[item_row] + piece * max_edges
+        end = torch.minimum(start + max_edges, rowptr[item_row + 1])
+        schedule = WorkSchedule(
+            max_edges=max_edges,
+            row=item_row.to(torch.int32),
+            start=start.to(torch.int32),
+            end=end.to(torch.int32),
+            split=(pieces[item_row] > 1).to(torch.uint8),
+        )
+        self._schedules[max_edges] = schedule
+        return schedule
+
+    def kernel_col(self) -> Tensor:
+        """``col`` as int32, the type the kernels read."""
+        return self.col if self.col.dtype == torch.int32 else self.col.to(torch.int32)
+
+    # ------------------------------------------------------------ building
+    @classmethod
+    def from_csr(cls, rowptr: Tensor, col: Tensor, value: Optional[Tensor],
+                 size: Tuple[int, int], normalization: str = "sum",
+                 dtype: torch.dtype = torch.float32) -> "CSRGraph":
+        """A graph from CSR arrays (row = target). ``"mean"`` divides
+        ``value`` (``None`` = ones) by the in-degree; ``"sum"`` keeps it;
+        ``"gcn"`` expects it already normalised by ``gcn_norm``."""
+        num_src, num_dst = size
+        index_dtype = (torch.int32 if max(col.numel(), num_src, num_dst) <= INT32_MAX
+                       else torch.int64)
+        rowptr = rowptr.to(index_dtype)
+        col = col.to(index_dtype)
+        weight = None if value is None else value.detach().to(dtype)
+        if normalization == "mean":
+            deg = (rowptr[1:] - rowptr[:-1]).to(dtype)
+            inv = 1.0 / deg.clamp(min=1)
+            inv_per_edge = torch.repeat_interleave(inv, (rowptr[1:] - rowptr[:-1]).long(),
+                                                   output_size=col.numel())
+            weight = inv_per_edge if weight is None else weight * inv_per_edge
+        elif normalization == "gcn":
+            if weight is None:
+                raise ValueError("gcn normalisation needs edge values")
+        return cls(rowptr.contiguous(), col.contiguous(),
+                   None if weight is None else weight.contiguous(), size,
+                   normalization)
+
+    @classmethod
+    def from_edge_index(cls, edge_index: Tensor, edge_weight: Optional[Tensor],
+                        size: Tuple[int, int], normalization: str = "sum",
+                        dtype: torch.dtype = torch.float32) -> "CSRGraph":
+        """A graph from ``edge_index`` ``[2, E]`` (row 0 = source, row 1 =
+        target), sorting the edges by target (stable, so multi-edges and
+        their order survive)."""
+        edge_index = _plain(edge_index)
+        num_src, num_dst = size
+        src, dst = edge_index[0], edge_index[1]
+        _check_range(src, num_src, "source")
+        _check_range(dst, num_dst, "target")
+        perm = None
+        if dst.numel() > 1 and not bool((dst[1:] >= dst[:-1]).all()):
+            dst, perm = torch.sort(dst, stable=True)
+            src = src[perm]
+        counts = torch.bincount(dst, minlength=num_dst) if dst.numel() else \
+            torch.zeros(num_dst, dtype=torch.long, device=dst.device)
+        rowptr = torch.zeros(num_dst + 1, dtype=torch.long, device=dst.device)
+        torch.cumsum(counts, 0, out=rowptr[1:])
+        value = None
+        if edge_weight is not None:
+            value = edge_weight if perm is None else edge_weight[perm]
+        return cls.from_csr(rowptr, src, value, size, normalization, dtype)
+
+    @classmethod
+    def from_adj(cls, adj: Any, size: Optional[Tuple[Optional[int], Optional[int]]] = None,
+                 *, edge_weight: Optional[Tensor] = None, normalization: str = "sum",
+                 use_sparse_tensor_values: bool = True, gcn_improved: bool = False,
+                 gcn_add_self_loops: bool = True, dtype: torch.dtype = torch.float32,
+                 cache: bool = True) -> "CSRGraph":
+        """The graph of any adjacency form PyG's convs accept.
+
+        Args:
+            adj: ``edge_index`` ``[2, E]`` (a plain tensor or
+                :class:`torch_geometric.EdgeIndex`), a
+                :class:`torch_sparse.SparseTensor` ``adj_t``, a ``torch.sparse``
+                COO/CSR/CSC ``adj_t`` (``[num_dst, num_src]``), or a
+                :class:`CSRGraph` (returned as is).
+            size (tuple, optional): ``(num_src, num_dst)``; required for an
+                ``edge_index`` (the layers infer it from the features).
+            edge_weight (torch.Tensor, optional): ``[E]`` weights of an
+                ``edge_index``.
+            normalization (str): ``"sum"``, ``"mean"`` or ``"gcn"``.
+            use_sparse_tensor_values (bool): whether the values of a
+                ``SparseTensor`` are used (PyG's SAGE and GIN drop them).
+            gcn_improved, gcn_add_self_loops: options of ``gcn_norm``.
+            dtype: floating type of the edge values.
+            cache (bool): look the graph up in / store it into the cache.
+        """
+        if isinstance(adj, CSRGraph):
+            return adj
+        if not (isinstance(adj, Tensor) or _is_sparse_tensor(adj)):
+            raise TypeError(
+                f"pyg_maxk cannot build a graph from {type(adj).__name__}: "
+                f"expected an edge_index [2, E] tensor, torch_geometric.EdgeIndex, "
+                f"torch_sparse.SparseTensor, a torch.sparse COO/CSR/CSC tensor "
+                f"or a pyg_maxk.CSRGraph")
+        if normalization not in NORMALIZATIONS:
+            raise ValueError(f"Unknown normalization {normalization!r}; "
+                             f"choose one of {NORMALIZATIONS}")
+        if edge_weight is not None and torch.is_grad_enabled() and edge_weight.requires_grad:
+            raise NotImplementedError(
+                "pyg_maxk treats edge weights as constants: gradients w.r.t. "
+                "edge_weight are not supported. Pass edge_weight.detach() or "
+                "use the stock PyG layer when edge weights are learned.")
+        anchors, versions = _fingerprint(adj, edge_weight)
+        params = (normalization, use_sparse_tensor_values, gcn_improved,
+                  gcn_add_self_loops, dtype, tuple(size) if size is not None else None)
+        if cache:
+            hit = _CACHE.get(anchors, versions, params)
+            if hit is not None:
+                return hit
+        graph = _build(adj, size, edge_weight, normalization,
+                       use_sparse_tensor_values, gcn_improved,
+                       gcn_add_self_loops, dtype)
+        if cache:
+            _CACHE.put(anchors, versions, params, graph)
+        return graph
+
+
+# ---------------------------------------------------------------- building
+def _plain(t: Tensor) -> Tensor:
+    """``t`` as a plain tensor (strips :class:`EdgeIndex`)."""
+    return t.as_tensor() if _is_edge_index_type(t) else t
+
+
+def _check_range(index: Tensor, bound: int, what: str) -> None:
+    if index.numel() == 0:
+        return
+    lo, hi = int(index.min()), int(index.max())
+    if lo < 0 or hi >= bound:
+        raise IndexError(f"edge_index holds {what} node {lo if lo < 0 else hi}, "
+                         f"outside [0, {bound}) for {bound} {what} nodes")
+
+
+def _check_edge_index(edge_index: Tensor) -> None:
+    if edge_index.dtype.is_floating_point or edge_index.dtype in (torch.bool, torch.complex64):
+        raise ValueError(f"Expected 'edge_index' to be of integer type "
+                         f"(got '{edge_index.dtype}')")
+    if edge_index.dim() != 2 or edge_index.size(0) != 2:
+        raise ValueError(f"Expected 'edge_index' of shape [2, num_edges] "
+                         f"(got {list(edge_index.shape)})")
+
+
+def _sparse_size(adj: Any) -> Tuple[int, int]:
+    """``(num_src, num_dst)`` of an ``adj_t``."""
+    return int(adj.size(1)), int(adj.size(0))
+
+
+def _build(adj: Any, size, edge_weight, normalization, use_sparse_tensor_values,
+           gcn_improved, gcn_add_self_loops, dtype) -> CSRGraph:
+    if _is_sparse_tensor(adj):
+        sizes = _sparse_size(adj)
+        if normalization == "gcn":
+            from torch_geometric.nn.conv.gcn_conv import gcn_norm
+            adj = gcn_norm(adj, None, sizes[0], gcn_improved, gcn_add_self_loops,
+                           "source_to_target", dtype)
+        rowptr, col, value = adj.csr()
+        if not use_sparse_tensor_values and normalization != "gcn":
+            value = None
+        return CSRGraph.from_csr(rowptr, col, value, sizes, normalization, dtype)
+
+    if _is_torch_sparse(adj):
+        sizes = _sparse_size(adj)
+        if normalization == "gcn":
+            from torch_geometric.nn.conv.gcn_conv import gcn_norm
+            adj, _ = gcn_norm(adj, None, sizes[0], gcn_improved, gcn_add_self_loops,
+                              "source_to_target", dtype)
+        csr = adj if adj.layout == torch.sparse_csr else adj.to_sparse_csr()
+        return CSRGraph.from_csr(csr.crow_indices(), csr.col_indices(), csr.values(),
+                                 sizes, normalization, dtype)
+
+    _check_edge_index(adj)
+    if size is None or size[0] is None or size[1] is None:
+        raise ValueError("Building a CSRGraph from an edge_index needs "
+                         "size=(num_src, num_dst)")
+    sizes = (int(size[0]), int(size[1]))
+    if normalization == "gcn":
+        if sizes[0] != sizes[1]:
+            raise ValueError("gcn normalisation needs a square adjacency, got "
+                             f"size={sizes}")
+        from torch_geometric.nn.conv.gcn_conv import gcn_norm
+        edge_index, edge_weight = gcn_norm(_plain(adj), edge_weight, sizes[0],
+                                           gcn_improved, gcn_add_self_loops,
+                                           "source_to_target", dtype)
+        return CSRGraph.from_edge_index(edge_index, edge_weight, sizes, "gcn", dtype)
+    return CSRGraph.from_edge_index(adj, edge_weight, sizes, normalization, dtype)
+
+
+# ------------------------------------------------------------------- cache
+def _fingerprint(adj: Any, edge_weight: Optional[Tensor]) -> Tuple[List[Any], Tuple[int, ...]]:
+    """The objects a graph is built from (kept as weak references) and the
+    version counters that change when any of them is edited in place."""
+    if _is_sparse_tensor(adj):
+        storage = adj.storage
+        tensors = [storage.rowptr(), storage.col()]
+        if storage.has_value():
+            tensors.append(storage.value())
+        anchors = list(tensors)
+    elif _is_torch_sparse(adj):
+        anchors = [adj]
+        values = adj._values() if adj.layout == torch.sparse_coo else adj.values()
+        tensors = [adj, values]
+    else:
+        anchors = [adj]
+        tensors = [adj]
+    if edge_weight is not None:
+        anchors.append(edge_weight)
+        tensors.append(edge_weight)
+    return anchors, tuple(t._version for t in tensors)
+
+
+class _GraphCache:
+    """A small LRU of graphs keyed on the identity of their source objects."""
+
+    def __init__(self, capacity: int = 8) -> None:
+        self.capacity = capacity
+        self._entries: "OrderedDict[Hashable, Tuple[List[weakref.ref], Tuple[int, ...], CSRGraph]]" = OrderedDict()
+
+    def _key(self, anchors: List[Any], params: Tuple) -> Hashable:
+        return (tuple(id(a) for a in anchors), params)
+
+    def get(self, anchors, versions, params) -> Optional[CSRGraph]:
+        key = self._key(anchors, params)
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        refs, cached_versions, graph = entry
+        # A dead reference means the id was reused by a new object.
+        if any(r() is not a for r, a in zip(refs, anchors)) or cached_versions != versions:
+            del self._entries[key]
+            return None
+        self._entries.move_to_end(key)
+        return graph
+
+    def put(self, anchors, versions, params, graph: CSRGraph) -> None:
+        # Entries whose source objects died can never hit again.
+        for key in [k for k, (refs, _, _) in self._entries.items()
+                    if any(r() is None for r in refs)]:
+            del self._entries[key]
+        self._entries[self._key(anchors, params)] = (
+            [weakref.ref(a) for a in anchors], versions, graph)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+_CACHE = _GraphCache()
+
+
+def clear_graph_cache() -> None:
+    """Drop every cached graph (and its kernel schedules)."""
+    _CACHE.clear()

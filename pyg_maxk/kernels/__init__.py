@@ -1,0 +1,13 @@
+"""Numba CUDA kernels of pyg-maxk. They see plain device arrays and launch
+parameters only; :mod:`pyg_maxk.ops.numba_ops` wraps them as torch ops.
+
+* :mod:`.maxk_select`: top-k per row into CBSR, and its backward scatter.
+* :mod:`.spgemm`: forward CSR x CBSR product and backward SSpMM.
+
+Every kernel is compiled once per specialisation (``dim``, ``k``, ...) and
+cached. Importing this package does not import Numba; :func:`cuda_module`
+does, with the numpy shim of :mod:`._numba` in place.
+"""
+from ._numba import NumbaStatus, cuda_module, numba_status, patch_numpy, simulator_enabled
+
+__all__ = ["NumbaStatus", "cuda_module", "numba_status", "patch_numpy", "simulator_enabled"]

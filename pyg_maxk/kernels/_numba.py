@@ -1,0 +1,66 @@
+"""Importing Numba's CUDA target, and whether it can run here.
+
+numpy 2.5 removed ``numpy.row_stack`` (deprecated alias of ``numpy.vstack``
+since numpy 2.0), but numba-cuda 0.30.4 registers an overload for it while it
+compiles the first kernel, so every kernel fails to compile with
+``module 'numpy' has no attribute 'row_stack'``. :func:`patch_numpy` puts the
+alias back before Numba is imported; it is a no-op on a numpy that has it.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from types import ModuleType
+
+
+def patch_numpy() -> bool:
+    """Restore ``numpy.row_stack`` if this numpy lacks it. Returns whether it
+    patched."""
+    import numpy as np
+
+    if "row_stack" in np.__dict__:
+        return False
+    np.row_stack = np.vstack  # the alias numpy < 2.5 had
+    return True
+
+
+def cuda_module() -> ModuleType:
+    """``numba.cuda``, imported with the numpy shim in place."""
+    patch_numpy()
+    from numba import cuda
+
+    return cuda
+
+
+@dataclass(frozen=True)
+class NumbaStatus:
+    importable: bool
+    simulator: bool
+    cuda_available: bool
+    reason: str
+
+
+@functools.lru_cache(maxsize=None)
+def numba_status() -> NumbaStatus:
+    """What the ``"numba"`` backend can do in this process (cached)."""
+    try:
+        cuda = cuda_module()
+        from numba import config
+    except Exception as err:  # pragma: no cover - numba missing or broken
+        return NumbaStatus(False, False, False, f"numba.cuda cannot be imported ({err})")
+    simulator = bool(config.ENABLE_CUDASIM)
+    if simulator:
+        return NumbaStatus(True, True, False, "Numba's CUDA simulator is enabled "
+                           "(NUMBA_ENABLE_CUDASIM=1): kernels run on CPU tensors")
+    try:
+        available = bool(cuda.is_available())
+    except Exception as err:  # pragma: no cover
+        return NumbaStatus(True, False, False, f"numba.cuda.is_available() failed ({err})")
+    if not available:
+        return NumbaStatus(True, False, False, "Numba finds no usable CUDA driver/GPU")
+    return NumbaStatus(True, False, True, "ok")
+
+
+def simulator_enabled() -> bool:
+    return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0") or numba_status().simulator

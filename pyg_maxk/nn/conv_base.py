@@ -1,0 +1,152 @@
+"""What the MaxK convs share: input checking with PyG's size semantics, the
+cached graph lookup, and the MaxK sparsification of the input features."""
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+from torch_geometric.nn import MessagePassing
+
+from ..cbsr import CBSR
+from ..graph import CSRGraph, _is_edge_index_type, _is_sparse_tensor, _is_torch_sparse
+from ..ops import _check_features, aggregate, check_k, maxk
+
+Features = Union[Tensor, CBSR]
+PairFeatures = Tuple[Features, Optional[Features]]
+
+
+def _rows(x: Features) -> int:
+    return x.num_rows if isinstance(x, CBSR) else x.size(0)
+
+
+def _device(x: Features) -> torch.device:
+    return x.device
+
+
+def _adj_device(adj: Any) -> torch.device:
+    if _is_sparse_tensor(adj):
+        return adj.device()
+    return adj.device
+
+
+class MaxKConv(MessagePassing):
+    """Base of the MaxK convs: a :class:`MessagePassing` whose aggregation
+    runs as a CSR x CBSR product instead of gather/scatter.
+
+    Args:
+        k (int): features kept per node by MaxK before aggregation
+            (``k >= in_channels`` keeps all of them).
+        dropout (float): dropout on the kept values (the MaxK-GNN paper's
+            feature dropout), active in training mode.
+    """
+
+    SUPPORTED_AGGRS: Tuple[str, ...] = ("sum", "add")
+
+    def __init__(self, *, k: int = 32, dropout: float = 0.0, **kwargs) -> None:
+        aggr = kwargs.get("aggr", "add")
+        if not isinstance(aggr, str) or aggr not in self.SUPPORTED_AGGRS:
+            raise ValueError(
+                f"{self.__class__.__name__} supports aggr in "
+                f"{self.SUPPORTED_AGGRS}, got aggr={aggr!r}: the MaxK sparse "
+                f"aggregation is a weighted sum and cannot run this aggregation. "
+                f"Use the stock PyG layer for it.")
+        flow = kwargs.get("flow", "source_to_target")
+        if flow != "source_to_target":
+            raise ValueError(f"{self.__class__.__name__} supports only "
+                             f"flow='source_to_target', got flow={flow!r}")
+        if kwargs.get("node_dim", -2) not in (-2, 0):
+            raise ValueError(f"{self.__class__.__name__} expects features of "
+                             f"shape [num_nodes, channels] (node_dim=0)")
+        super().__init__(**kwargs)
+        self.k = check_k(k)
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        self.dropout = float(dropout)
+
+    def message(self, x_j: Tensor) -> Tensor:  # the per-edge reference
+        return x_j
+
+    # ----------------------------------------------------------- helpers
+    def sparsify(self, x: Features) -> CBSR:
+        """MaxK of ``x`` (a CBSR input is taken as already sparsified)."""
+        if isinstance(x, CBSR):
+            return x
+        return maxk(x, self.k, dropout=self.dropout, training=self.training)
+
+    @staticmethod
+    def aggregate_sparse(graph: CSRGraph, h: CBSR) -> Tensor:
+        """``graph @ h`` as a dense ``[num_dst, channels]`` tensor."""
+        return aggregate(graph, h)
+
+    @staticmethod
+    def split_features(x: Union[Features, PairFeatures]) -> PairFeatures:
+        if isinstance(x, (tuple, list)):
+            if len(x) != 2:
+                raise ValueError("Expected x as a tensor or a pair (x_src, x_dst)")
+            x_src, x_dst = x
+        else:
+            x_src, x_dst = x, x
+        for name, t in (("x_src", x_src), ("x_dst", x_dst)):
+            if t is not None and not isinstance(t, CBSR):
+                _check_features(t, name if isinstance(x, (tuple, list)) else "x")
+        if x_src is None:
+            raise ValueError("x_src must not be None")
+        return x_src, x_dst
+
+    def resolve_size(self, adj: Any, x_src: Features, x_dst: Optional[Features],
+                     size: Optional[Tuple[Optional[int], Optional[int]]]) -> Tuple[int, int]:
+        """``(num_src, num_dst)`` as :class:`MessagePassing` infers it,
+        raising on any disagreement between ``adj``, ``size`` and ``x``."""
+        if isinstance(adj, CSRGraph):
+            sizes = [adj.num_src, adj.num_dst]
+        elif _is_sparse_tensor(adj) or _is_torch_sparse(adj):
+            sizes = [int(adj.size(1)), int(adj.size(0))]
+        elif _is_edge_index_type(adj):
+            sizes = [adj.num_rows, adj.num_cols]
+        elif isinstance(adj, Tensor):
+            if size is not None and len(size) != 2:
+                raise ValueError(f"size must be (num_src, num_dst), got {size}")
+            sizes = list(size) if size is not None else [None, None]
+        else:
+            raise TypeError(f"{self.__class__.__name__} got an adjacency of type "
+                            f"{type(adj).__name__}")
+        for dim, t in ((0, x_src), (1, x_dst)):
+            if t is None:
+                continue
+            rows = _rows(t)
+            if sizes[dim] is None:
+                sizes[dim] = rows
+            elif sizes[dim] != rows:
+                raise ValueError(
+                    f"Encountered {'source' if dim == 0 else 'target'} features "
+                    f"with {rows} nodes, but the adjacency/size expects "
+                    f"{sizes[dim]}")
+        if sizes[1] is None:
+            sizes[1] = sizes[0]
+        return int(sizes[0]), int(sizes[1])
+
+    def graph_for(self, adj: Any, x_src: Features, x_dst: Optional[Features],
+                  size=None, *, normalization: str, edge_weight: Optional[Tensor] = None,
+                  **options) -> CSRGraph:
+        """The cached :class:`CSRGraph` of ``adj`` for this layer."""
+        sizes = self.resolve_size(adj, x_src, x_dst, size)
+        device = _device(x_src)
+        if _adj_device(adj) != device:
+            raise ValueError(
+                f"The features are on {device} but the adjacency is on "
+                f"{_adj_device(adj)}; move both to the same device")
+        if isinstance(adj, CSRGraph):
+            if adj.normalization != normalization:
+                raise ValueError(
+                    f"{self.__class__.__name__} needs a graph with "
+                    f"'{normalization}' normalisation, got one with "
+                    f"'{adj.normalization}'")
+            return adj
+        values_dtype = x_src.dtype
+        dtype = torch.float64 if values_dtype == torch.float64 else torch.float32
+        return CSRGraph.from_adj(adj, sizes, edge_weight=edge_weight,
+                                 normalization=normalization, dtype=dtype, **options)
+
+    def _extra_repr_k(self) -> str:
+        return f"k={self.k}" + (f", dropout={self.dropout}" if self.dropout else "")

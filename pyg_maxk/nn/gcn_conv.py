@@ -1,0 +1,102 @@
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch.nn import Parameter
+from torch_geometric.nn.dense.linear import Linear
+from torch_geometric.nn.inits import zeros
+from torch_geometric.typing import Adj, OptTensor
+
+from .conv_base import Features, MaxKConv
+
+
+class MaxKGCNConv(MaxKConv):
+    r"""GCN with MaxK-sparsified inputs, equal to PyG's
+    :class:`~torch_geometric.nn.conv.GCNConv` applied to
+    :math:`\mathrm{MaxK}_k(\mathbf{x})`:
+
+    .. math::
+        \mathbf{X}^{\prime} = \left(\mathbf{\hat{D}}^{-1/2} \mathbf{\hat{A}}
+        \mathbf{\hat{D}}^{-1/2} \, \mathrm{MaxK}_k(\mathbf{X})\right)
+        \mathbf{\Theta} + \mathbf{b}
+
+    Since :math:`\mathbf{\hat{A}}(\mathbf{H}\mathbf{\Theta}) =
+    (\mathbf{\hat{A}}\mathbf{H})\mathbf{\Theta}`, the sparse features are
+    aggregated first (a CSR x CBSR product) and transformed afterwards. The
+    normalised adjacency is computed by PyG's own ``gcn_norm`` and cached, so
+    ``cached`` is accepted for compatibility and never returns a stale graph.
+
+    Args:
+        in_channels (int): size of each input sample, or ``-1`` (lazy).
+        out_channels (int): size of each output sample.
+        improved (bool): :math:`\mathbf{\hat{A}} = \mathbf{A} + 2\mathbf{I}`.
+        cached (bool): accepted for compatibility (graphs are always cached).
+        add_self_loops (bool, optional): add self-loops (default:
+            :obj:`normalize`).
+        normalize (bool): apply the symmetric normalisation.
+        bias (bool): learn an additive bias.
+        k (int): features kept per node by MaxK. (default: ``32``)
+        dropout (float): dropout on the kept values.
+        **kwargs: of :class:`torch_geometric.nn.conv.MessagePassing`.
+
+    Shapes:
+        - **input:** node features :math:`(|\mathcal{V}|, F_{in})`, edge
+          indices :math:`(2, |\mathcal{E}|)` or a sparse ``adj_t``, edge
+          weights :math:`(|\mathcal{E}|)` *(optional)*
+        - **output:** node features :math:`(|\mathcal{V}|, F_{out})`
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, improved: bool = False,
+                 cached: bool = False, add_self_loops: Optional[bool] = None,
+                 normalize: bool = True, bias: bool = True, *, k: int = 32,
+                 dropout: float = 0.0, **kwargs) -> None:
+        kwargs.setdefault("aggr", "add")
+        super().__init__(k=k, dropout=dropout, **kwargs)
+        if add_self_loops is None:
+            add_self_loops = normalize
+        if add_self_loops and not normalize:
+            raise ValueError(f"'{self.__class__.__name__}' does not support "
+                             f"adding self-loops to the graph when no "
+                             f"on-the-fly normalization is applied")
+        self.in_channels = in_channels
+        self.out_channels = out_channels
+        self.improved = improved
+        self.cached = cached
+        self.add_self_loops = add_self_loops
+        self.normalize = normalize
+
+        self.lin = Linear(in_channels, out_channels, bias=False,
+                          weight_initializer="glorot")
+        if bias:
+            self.bias = Parameter(torch.empty(out_channels))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        self.lin.reset_parameters()
+        zeros(self.bias)
+
+    def forward(self, x: Features, edge_index: Adj, edge_weight: OptTensor = None) -> Tensor:
+        if isinstance(x, (tuple, list)):
+            raise ValueError(f"'{self.__class__.__name__}' received a tuple "
+                             f"of node features as input while this layer "
+                             f"does not support bipartite message passing. "
+                             f"Please try other layers such as 'MaxKSAGEConv' "
+                             f"instead")
+        x, _ = self.split_features(x)
+        graph = self.graph_for(edge_index, x, x, None,
+                               normalization="gcn" if self.normalize else "sum",
+                               edge_weight=edge_weight, gcn_improved=self.improved,
+                               gcn_add_self_loops=self.add_self_loops)
+        out = self.lin(self.aggregate_sparse(graph, self.sparsify(x)))
+        if self.bias is not None:
+            out = out + self.bias
+        return out
+
+    def __repr__(self) -> str:
+        return (f"{self.__class__.__name__}({self.in_channels}, "
+                f"{self.out_channels}, {self._extra_repr_k()})")

@@ -1,0 +1,72 @@
+from __future__ import annotations
+
+from typing import Callable, Union
+
+import torch
+from torch import Tensor
+from torch_geometric.nn.inits import reset
+from torch_geometric.typing import Adj, Size
+
+from .conv_base import Features, MaxKConv, PairFeatures
+
+
+class MaxKGINConv(MaxKConv):
+    r"""GIN with MaxK-sparsified inputs, equal to PyG's
+    :class:`~torch_geometric.nn.conv.GINConv` applied to
+    :math:`\mathrm{MaxK}_k(\mathbf{x})`:
+
+    .. math::
+        \mathbf{x}^{\prime}_i = h_{\mathbf{\Theta}} \left( (1 + \epsilon)
+        \cdot \mathbf{h}_i + \sum_{j \in \mathcal{N}(i)} \mathbf{h}_j \right),
+        \qquad \mathbf{h} = \mathrm{MaxK}_k(\mathbf{x})
+
+    The root term :math:`(1 + \epsilon)\mathbf{h}_i` is scattered from the
+    CBSR values straight into the aggregate, never densified on its own.
+
+    Args:
+        nn (torch.nn.Module): the network :math:`h_{\mathbf{\Theta}}`.
+        eps (float): (initial) :math:`\epsilon`.
+        train_eps (bool): make :math:`\epsilon` trainable.
+        k (int): features kept per node by MaxK. (default: ``32``)
+        dropout (float): dropout on the kept values.
+        **kwargs: of :class:`torch_geometric.nn.conv.MessagePassing`.
+
+    Shapes:
+        - **input:** node features :math:`(|\mathcal{V}|, F_{in})` or
+          :math:`((|\mathcal{V_s}|, F_{s}), (|\mathcal{V_t}|, F_{t}))`, edge
+          indices :math:`(2, |\mathcal{E}|)` or any sparse ``adj_t``
+        - **output:** node features :math:`(|\mathcal{V}|, F_{out})` or
+          :math:`(|\mathcal{V}_t|, F_{out})`
+    """
+
+    def __init__(self, nn: Callable, eps: float = 0., train_eps: bool = False,
+                 *, k: int = 32, dropout: float = 0.0, **kwargs) -> None:
+        kwargs.setdefault("aggr", "add")
+        super().__init__(k=k, dropout=dropout, **kwargs)
+        self.nn = nn
+        self.initial_eps = eps
+        if train_eps:
+            self.eps = torch.nn.Parameter(torch.empty(1))
+        else:
+            self.register_buffer("eps", torch.empty(1))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        reset(self.nn)
+        self.eps.data.fill_(self.initial_eps)
+
+    def forward(self, x: Union[Features, PairFeatures], edge_index: Adj,
+                size: Size = None) -> Tensor:
+        x_src, x_dst = self.split_features(x)
+        graph = self.graph_for(edge_index, x_src, x_dst, size, normalization="sum",
+                               use_sparse_tensor_values=False)
+        h_src = self.sparsify(x_src)
+        out = self.aggregate_sparse(graph, h_src)  # [N_dst, F_in]
+        if x_dst is not None:
+            h_dst = h_src if x_dst is x_src else self.sparsify(x_dst)
+            out = h_dst.add_to(out, 1 + self.eps)
+        return self.nn(out)
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}(nn={self.nn}, {self._extra_repr_k()})"

@@ -1,0 +1,98 @@
+from __future__ import annotations
+
+from typing import List, Optional, Tuple, Union
+
+import torch.nn.functional as F
+from torch import Tensor
+from torch_geometric.nn.dense.linear import Linear
+from torch_geometric.typing import Adj, Size
+
+from .conv_base import Features, MaxKConv, PairFeatures
+
+
+class MaxKSAGEConv(MaxKConv):
+    r"""GraphSAGE with MaxK-sparsified inputs, equal to PyG's
+    :class:`~torch_geometric.nn.conv.SAGEConv` applied to
+    :math:`\mathrm{MaxK}_k(\mathbf{x})`:
+
+    .. math::
+        \mathbf{x}^{\prime}_i = \mathbf{W}_1 \mathbf{h}_i + \mathbf{W}_2 \cdot
+        \mathrm{mean}_{j \in \mathcal{N}(i)} \mathbf{h}_j, \qquad
+        \mathbf{h} = \mathrm{MaxK}_k(\mathbf{x})
+
+    The neighbour aggregation runs on the CBSR form of :math:`\mathbf{h}`
+    (``k`` non-zeros per row) as one sparse-sparse product.
+
+    Args:
+        in_channels (int or tuple): size of each input sample, or ``-1`` for
+            lazy initialisation; a tuple for bipartite graphs.
+        out_channels (int): size of each output sample.
+        aggr (str): ``"mean"`` (default) or ``"sum"``/``"add"``; other
+            aggregations raise.
+        normalize (bool): :math:`\ell_2`-normalise the output.
+        root_weight (bool): add the transformed root node features.
+        project (bool): not supported (the projection would make the
+            aggregated features dense again); must be :obj:`False`.
+        bias (bool): learn an additive bias.
+        k (int): features kept per node by MaxK. (default: ``32``)
+        dropout (float): dropout on the kept values.
+        **kwargs: of :class:`torch_geometric.nn.conv.MessagePassing`.
+
+    Shapes:
+        - **input:** node features :math:`(|\mathcal{V}|, F_{in})` or
+          :math:`((|\mathcal{V_s}|, F_{s}), (|\mathcal{V_t}|, F_{t}))`, edge
+          indices :math:`(2, |\mathcal{E}|)` or any sparse ``adj_t``
+        - **output:** node features :math:`(|\mathcal{V}|, F_{out})` or
+          :math:`(|\mathcal{V_t}|, F_{out})`
+    """
+    SUPPORTED_AGGRS = ("mean", "sum", "add")
+
+    def __init__(self, in_channels: Union[int, Tuple[int, int]], out_channels: int,
+                 aggr: Optional[Union[str, List[str]]] = "mean", normalize: bool = False,
+                 root_weight: bool = True, project: bool = False, bias: bool = True,
+                 *, k: int = 32, dropout: float = 0.0, **kwargs) -> None:
+        if project:
+            raise ValueError(
+                "MaxKSAGEConv does not support project=True: the projection "
+                "makes the aggregated features dense again, which undoes MaxK. "
+                "Use the stock SAGEConv for it.")
+        super().__init__(k=k, dropout=dropout, aggr=aggr, **kwargs)
+        self.in_channels = in_channels
+        self.out_channels = out_channels
+        self.normalize = normalize
+        self.root_weight = root_weight
+        self.project = project
+
+        if isinstance(in_channels, int):
+            in_channels = (in_channels, in_channels)
+        self.lin_l = Linear(in_channels[0], out_channels, bias=bias)
+        if self.root_weight:
+            self.lin_r = Linear(in_channels[1], out_channels, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        self.lin_l.reset_parameters()
+        if self.root_weight:
+            self.lin_r.reset_parameters()
+
+    def forward(self, x: Union[Features, PairFeatures], edge_index: Adj,
+                size: Size = None) -> Tensor:
+        x_src, x_dst = self.split_features(x)
+        graph = self.graph_for(edge_index, x_src, x_dst, size,
+                               normalization="mean" if self.aggr == "mean" else "sum",
+                               use_sparse_tensor_values=False)
+        h_src = self.sparsify(x_src)
+        out = self.lin_l(self.aggregate_sparse(graph, h_src))  # [N_dst, F_out]
+
+        if self.root_weight and x_dst is not None:
+            h_dst = h_src if x_dst is x_src else self.sparsify(x_dst)
+            out = out + self.lin_r(h_dst.to_dense())
+
+        if self.normalize:
+            out = F.normalize(out, p=2., dim=-1)
+        return out
+
+    def __repr__(self) -> str:
+        return (f"{self.__class__.__name__}({self.in_channels}, "
+                f"{self.out_channels}, aggr={self.aggr}, {self._extra_repr_k()})")

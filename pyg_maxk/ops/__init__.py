@@ -1,0 +1,101 @@
+"""The functional MaxK ops: :func:`maxk` (dense -> CBSR) and :func:`aggregate`
+(CSR graph x CBSR -> dense), each dispatched to the active backend.
+
+Both are differentiable. The ``"torch"`` backend is the reference semantics;
+the ``"numba"`` backend runs the same maths in :mod:`pyg_maxk.kernels`.
+"""
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..backend import resolve_backend
+from ..cbsr import CBSR, index_dtype_for
+from ..graph import CSRGraph
+
+
+def check_k(k: object) -> int:
+    """``k`` as a positive int, or a :class:`ValueError`."""
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise ValueError(f"k must be a positive integer, got {k!r}")
+    if k <= 0:
+        raise ValueError(f"k must be a positive integer, got {k}")
+    return k
+
+
+def _check_features(x: Tensor, what: str = "x") -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"{what} must be a 2-D [num_nodes, channels] tensor, "
+                         f"got shape {list(x.shape)}")
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"{what} must be a floating point tensor, got {x.dtype}")
+
+
+def maxk(x: Tensor, k: int, *, dropout: float = 0.0, training: bool = False) -> CBSR:
+    r"""Keep the ``k`` largest entries of every row of ``x`` (as
+    :func:`torch.topk` picks them) and return them as a :class:`CBSR`.
+
+    Gradients flow to the kept entries only. ``k >= x.size(1)`` keeps every
+    entry (the identity). ``dropout`` is applied to the kept values, as in the
+    MaxK-GNN paper.
+
+    Args:
+        x (torch.Tensor): ``[N, dim]`` features.
+        k (int): entries kept per row.
+        dropout (float): dropout probability on the kept values.
+        training (bool): whether dropout is active.
+
+    Returns:
+        CBSR with ``values [N, min(k, dim)]`` and ``indices [N, min(k, dim)]``.
+    """
+    k = check_k(k)
+    _check_features(x)
+    n, dim = x.shape
+    if k >= dim:
+        indices = torch.arange(dim, device=x.device, dtype=index_dtype_for(dim))
+        out = CBSR(x, indices.expand(n, dim), dim)
+    elif resolve_backend(x) == "numba":
+        from .numba_ops import maxk_select
+        values, indices = maxk_select(x, k)
+        out = CBSR(values, indices, dim)
+    else:
+        values, idx = torch.topk(x, k, dim=1)
+        out = CBSR(values, idx.to(index_dtype_for(dim)), dim)
+    if dropout > 0.0 and training:
+        out = out.with_values(F.dropout(out.values, dropout, training=True))
+    return out
+
+
+def aggregate(graph: CSRGraph, h: Union[CBSR, Tensor]) -> Tensor:
+    r"""The sparse product :math:`\mathbf{A} \mathbf{H}`: row ``i`` of the
+    result is :math:`\sum_{e = (j \rightarrow i)} a_e \mathbf{h}_j`.
+
+    Args:
+        graph (CSRGraph): ``[num_dst, num_src]`` adjacency.
+        h (CBSR or torch.Tensor): ``[num_src, dim]`` source features.
+
+    Returns:
+        ``[num_dst, dim]`` dense tensor.
+    """
+    rows = h.num_rows if isinstance(h, CBSR) else h.size(0)
+    if rows != graph.num_src:
+        raise ValueError(f"The features have {rows} rows but the graph has "
+                         f"{graph.num_src} source nodes")
+    if h.device != graph.device:
+        raise ValueError(f"The features are on {h.device} but the graph is on "
+                         f"{graph.device}; move both to the same device")
+    if isinstance(h, Tensor) or h.is_full:
+        dense = h if isinstance(h, Tensor) else h.values
+        return torch.sparse.mm(graph.torch_csr(dense.dtype), dense)
+    if resolve_backend(h.values) == "numba":
+        from .numba_ops import spgemm
+        return spgemm(graph, h)
+    return torch.sparse.mm(graph.torch_csr(h.dtype), h.to_dense())
+
+
+__all__ = ["maxk", "aggregate", "check_k"]

@@ -1,0 +1,50 @@
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import pyg_maxk
+from pyg_maxk.backend import get_backend, resolve_backend
+
+
+def test_context_manager_nests_and_restores():
+    assert get_backend() == "auto"
+    with pyg_maxk.use_backend("torch"):
+        assert get_backend() == "torch"
+        with pyg_maxk.use_backend("numba"):
+            assert get_backend() == "numba"
+        assert get_backend() == "torch"
+    assert get_backend() == "auto"
+
+
+def test_unknown_backend():
+    with pytest.raises(ValueError, match="Unknown pyg_maxk backend"):
+        pyg_maxk.use_backend("cusparse")
+
+
+def test_environment_variable(monkeypatch):
+    monkeypatch.setenv("PYG_MAXK_BACKEND", "torch")
+    assert get_backend() == "torch"
+    monkeypatch.setenv("PYG_MAXK_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="PYG_MAXK_BACKEND"):
+        get_backend()
+
+
+def test_auto_uses_torch_on_cpu():
+    assert resolve_backend(torch.zeros(1)) == "torch"
+
+
+def test_numba_rejects_float64():
+    with pyg_maxk.use_backend("numba"), pytest.raises(TypeError, match="float64"):
+        resolve_backend(torch.zeros(1, dtype=torch.float64))
+
+
+def test_forced_numba_on_cpu_without_simulator_is_a_clear_error():
+    code = ("import torch, pyg_maxk\n"
+            "with pyg_maxk.use_backend('numba'):\n"
+            "    pyg_maxk.maxk(torch.randn(4, 8), 2)\n")
+    env = {k: v for k, v in __import__('os').environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert proc.returncode != 0
+    assert "needs CUDA tensors" in proc.stderr and "NUMBA_ENABLE_CUDASIM" in proc.stderr

@@ -1,0 +1,126 @@
+"""Heavy checks of the compiled kernels on a CUDA GPU: ``pytest -m gpu``.
+
+Power-law graphs with a 50,000-neighbour row, dims 64 to 512, k from 1 to
+dim, poisoned outputs, run-to-run agreement, half precision, and the layer
+contract on every adjacency form.
+"""
+import pytest
+import torch
+
+import pyg_maxk
+from pyg_maxk import CSRGraph
+
+from helpers import FORMS, adjacency, assert_same_as_stock, random_edge_index
+from test_layers import make_pair
+from test_numba_backend import (assert_same_selection, check_kernels, poison_allocator,
+                                random_cbsr)
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def power_law_graph(num_nodes=20_000, avg_degree=20, max_degree=50_000, seed=0,
+                    normalization="mean", isolated=100):
+    g = torch.Generator().manual_seed(seed)
+    deg = torch.distributions.LogNormal(1.5, 1.3).sample((num_nodes,)).long()
+    deg = (deg * avg_degree / deg.float().mean()).long().clamp(max=max_degree)
+    deg[0] = max_degree          # the 50k-degree row
+    deg[-isolated:] = 0          # isolated nodes
+    dst = torch.repeat_interleave(torch.arange(num_nodes), deg)
+    src = torch.randint(0, num_nodes, (dst.numel(),), generator=g)
+    ei = torch.stack([src, dst]).cuda()
+    return CSRGraph.from_adj(ei, (num_nodes, num_nodes), normalization=normalization)
+
+
+@pytest.mark.parametrize("dim", [64, 128, 256, 300, 512])
+def test_kernels_power_law_all_k(dim):
+    graph = power_law_graph()
+    assert int(graph.in_degree().max()) == 50_000
+    for k in sorted({1, 2, 8, 32, dim // 2, dim - 1}):
+        check_kernels(graph, dim, k, seed=k, rtol=1e-4, atol=1e-4)
+
+
+def test_weighted_bipartite_gcn_graphs():
+    ei = random_edge_index(5000, 3000, 200_000, seed=1).cuda()
+    w = torch.rand(ei.size(1), device="cuda") + 0.1
+    check_kernels(CSRGraph.from_adj(ei, (5000, 3000), edge_weight=w), 256, 32,
+                  rtol=1e-4, atol=1e-4)
+    sq = random_edge_index(4000, 4000, 100_000, seed=2).cuda()
+    check_kernels(CSRGraph.from_adj(sq, (4000, 4000), normalization="gcn"), 128, 16,
+                  rtol=1e-4, atol=1e-4)
+
+
+def test_runs_agree_no_races():
+    graph = power_law_graph(seed=3)
+    h = random_cbsr(graph.num_src, 256, 32)
+    outs, grads = [], []
+    for _ in range(2):
+        values = h.values.clone().requires_grad_()
+        poison_allocator()
+        with pyg_maxk.use_backend("numba"):
+            out = pyg_maxk.aggregate(graph, h.with_values(values))
+            out.backward(torch.ones_like(out))
+        outs.append(out)
+        grads.append(values.grad)
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dim", [64, 256, 512])
+def test_maxk_select_all_k(dim):
+    x = torch.randn(50_000, dim, device="cuda")
+    for k in sorted({1, 7, 32, dim // 2, dim - 1}):
+        poison_allocator()
+        with pyg_maxk.use_backend("numba"):
+            h = pyg_maxk.maxk(x, k)
+        assert_same_selection(h, x, k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_accumulates_in_float32(dtype):
+    graph = power_law_graph(seed=4)
+    h = random_cbsr(graph.num_src, 256, 32, dtype=dtype)
+    with pyg_maxk.use_backend("numba"):
+        out = pyg_maxk.aggregate(graph, h)
+    assert out.dtype == dtype
+    ref = torch.sparse.mm(graph.torch_csr(torch.float32), h.to_dense().float())
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def sparse_tensor_on_cuda_or_skip():
+    torch_sparse = pytest.importorskip("torch_sparse")
+    try:
+        torch_sparse.SparseTensor(row=torch.zeros(1, dtype=torch.long, device="cuda"),
+                                  col=torch.zeros(1, dtype=torch.long, device="cuda"),
+                                  sparse_sizes=(1, 1)).csr()
+    except RuntimeError as err:  # e.g. a CPU-only torch_sparse build
+        pytest.skip(f"torch_sparse has no CUDA ops here ({err})")
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("kind", ["sage", "gcn", "gin"])
+def test_layer_contract_on_cuda(kind, form):
+    n = 3000
+    ei = random_edge_index(n, n, 60_000, seed=5).cuda()
+    value = (torch.rand(ei.size(1), device="cuda") + 0.1) if form not in ("edge_index", "EdgeIndex") else None
+    if form == "SparseTensor":
+        sparse_tensor_on_cuda_or_skip()
+    adj = adjacency(form, ei, (n, n), value)
+    ours, stock = make_pair(kind, f_in=256, k=32)
+    x = torch.randn(n, 256, device="cuda")
+    if kind == "gcn" and form == "csc":
+        with pytest.raises(NotImplementedError):
+            ours.cuda()(x, adj)
+        return
+    assert_same_as_stock(ours.cuda(), stock.cuda(), x, (adj,), 32, rtol=1e-4, atol=1e-4,
+                         backend="numba")
+
+
+def test_autocast_bf16_training_step():
+    model = pyg_maxk.nn.MaxKGraphSAGE(64, 128, 2, 5, k=16).cuda()
+    ei = random_edge_index(2000, 2000, 20_000).cuda()
+    x = torch.randn(2000, 64, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = model(x, ei)
+    out.float().sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())

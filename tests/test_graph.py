@@ -1,0 +1,103 @@
+import time
+
+import pytest
+import torch
+
+import pyg_maxk
+from pyg_maxk import CSRGraph
+from pyg_maxk.graph import _CACHE
+
+from helpers import FORMS, adjacency, random_edge_index
+
+
+def _dense(graph):
+    return graph.torch_csr(torch.float64).to_dense()
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_every_form_gives_the_same_graph(form):
+    ei = random_edge_index(9, 6, 25, seed=1)
+    value = torch.rand(25) + 0.5
+    reference = torch.zeros(6, 9, dtype=torch.float64)
+    reference.index_put_((ei[1], ei[0]), value.double(), accumulate=True)
+    adj = adjacency(form, ei, (9, 6), value)
+    weight = value if form in ("edge_index", "EdgeIndex") else None
+    if form == "EdgeIndex":
+        graph = CSRGraph.from_adj(adj.as_tensor(), (9, 6), edge_weight=weight)
+    else:
+        graph = CSRGraph.from_adj(adj, (9, 6), edge_weight=weight)
+    assert graph.size == (9, 6) and graph.col.dtype == torch.int32
+    torch.testing.assert_close(_dense(graph), reference, rtol=1e-6, atol=1e-6)
+
+
+def test_mean_normalisation_counts_multi_edges():
+    ei = torch.tensor([[0, 0, 1, 2], [1, 1, 1, 0]])
+    graph = CSRGraph.from_adj(ei, (3, 3), normalization="mean")
+    torch.testing.assert_close(_dense(graph)[1], torch.tensor([2 / 3, 1 / 3, 0.0], dtype=torch.float64))
+    assert graph.in_degree().tolist() == [1, 3, 0]
+
+
+def test_cache_reuses_and_never_goes_stale():
+    ei = random_edge_index(8, 8, 20)
+    a = CSRGraph.from_adj(ei, (8, 8))
+    assert CSRGraph.from_adj(ei, (8, 8)) is a  # reused
+    assert CSRGraph.from_adj(ei, (8, 8), normalization="mean") is not a
+    assert CSRGraph.from_adj(ei.clone(), (8, 8)) is not a  # a new tensor
+    ei[0, 0] = (ei[0, 0] + 1) % 8  # an in-place edit
+    b = CSRGraph.from_adj(ei, (8, 8))
+    assert b is not a and int(b.col.sum()) != int(a.col.sum()) or not torch.equal(b.col, a.col)
+    w = torch.rand(20)
+    c = CSRGraph.from_adj(ei, (8, 8), edge_weight=w)
+    w.mul_(2)
+    d = CSRGraph.from_adj(ei, (8, 8), edge_weight=w)
+    assert d is not c
+    torch.testing.assert_close(d.weight.sum(), 2 * c.weight.sum())
+
+
+def test_cache_entries_die_with_their_tensors():
+    for i in range(20):
+        CSRGraph.from_adj(random_edge_index(8, 8, 20, seed=i), (8, 8))
+    assert len(_CACHE) <= _CACHE.capacity
+    pyg_maxk.clear_graph_cache()
+    assert len(_CACHE) == 0
+
+
+def test_schedule_cuts_heavy_rows():
+    ei = torch.stack([torch.arange(23) % 5, torch.tensor([0] * 20 + [2, 2, 4])])
+    graph = CSRGraph.from_adj(ei, (5, 5))
+    s = graph.schedule(max_edges=8)
+    assert s.row.tolist() == [0, 0, 0, 2, 4]
+    assert s.start.tolist() == [0, 8, 16, 20, 22]
+    assert s.end.tolist() == [8, 16, 20, 22, 23]
+    assert s.split.tolist() == [1, 1, 1, 0, 0]
+    assert graph.schedule(8) is s
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="integer"):
+        CSRGraph.from_adj(torch.zeros(2, 3), (3, 3))
+    with pytest.raises(ValueError, match="shape"):
+        CSRGraph.from_adj(torch.zeros(3, 3, dtype=torch.long), (3, 3))
+    with pytest.raises(ValueError, match="size"):
+        CSRGraph.from_adj(torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(IndexError):
+        CSRGraph.from_adj(torch.tensor([[0, 5], [1, 1]]), (3, 3))
+    with pytest.raises(TypeError):
+        CSRGraph.from_adj([[0, 1], [1, 0]], (2, 2))
+    with pytest.raises(ValueError, match="normalization"):
+        CSRGraph.from_adj(torch.zeros(2, 1, dtype=torch.long), (1, 1), normalization="max")
+
+
+def test_build_cost_one_million_edges(capsys):
+    """Not a timed assertion: prints the cost of building a 1M-edge graph."""
+    ei = torch.randint(0, 100_000, (2, 1_000_000))
+    start = time.perf_counter()
+    graph = CSRGraph.from_adj(ei, (100_000, 100_000), normalization="mean", cache=False)
+    built = time.perf_counter() - start
+    start = time.perf_counter()
+    graph.schedule(512)
+    scheduled = time.perf_counter() - start
+    with capsys.disabled():
+        print(f"\n[graph build] 1M edges, 100k nodes, CPU: build {built * 1e3:.1f} ms, "
+              f"schedule {scheduled * 1e3:.1f} ms")
+    assert graph.num_edges == 1_000_000

@@ -1,0 +1,229 @@
+"""The layer contract: MaxKXConv(args, k=k)(x, adj) == XConv(args)(maxk(x), adj),
+forward and gradients, for every adjacency form and edge case."""
+import warnings
+
+import pytest
+import torch
+from torch_geometric.nn import GCNConv, GINConv, SAGEConv
+
+import pyg_maxk
+from pyg_maxk.nn import MaxKGCNConv, MaxKGINConv, MaxKSAGEConv
+
+from helpers import FORMS, adjacency, assert_same_as_stock, random_edge_index
+
+N, F_IN, F_OUT, K = 14, 24, 8, 5
+
+
+def _x(n=N, f=F_IN, seed=1, dtype=torch.float32):
+    return torch.randn(n, f, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _weights(e, seed=2):
+    return torch.rand(e, generator=torch.Generator().manual_seed(seed)) + 0.1
+
+
+def _gin_nn(f_in=F_IN, f_out=F_OUT):
+    return torch.nn.Sequential(torch.nn.Linear(f_in, 16), torch.nn.ReLU(),
+                               torch.nn.Linear(16, f_out))
+
+
+def make_pair(kind, f_in=F_IN, k=K, **kw):
+    torch.manual_seed(0)
+    if kind == "sage":
+        return MaxKSAGEConv(f_in, F_OUT, k=k, **kw), SAGEConv(f_in, F_OUT, **kw)
+    if kind == "gcn":
+        return MaxKGCNConv(f_in, F_OUT, k=k, **kw), GCNConv(f_in, F_OUT, **kw)
+    if kind == "gin":
+        return (MaxKGINConv(_gin_nn(f_in), k=k, train_eps=True, eps=0.3, **kw),
+                GINConv(_gin_nn(f_in), train_eps=True, eps=0.3, **kw))
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("kind", ["sage", "gcn", "gin"])
+def test_contract_every_adjacency_form(kind, form):
+    ei = random_edge_index(N, N, 50, seed=3)
+    value = _weights(ei.size(1)) if form in ("SparseTensor", "coo", "csr", "csc") else None
+    adj = adjacency(form, ei, (N, N), value)
+    ours, stock = make_pair(kind)
+    if kind == "gcn" and form == "csc":
+        # Stock GCNConv cannot normalise a CSC adjacency; neither can we.
+        with pytest.raises(NotImplementedError):
+            ours(_x(), adj)
+        return
+    assert_same_as_stock(ours, stock, _x(), (adj,), K)
+
+
+@pytest.mark.parametrize("kind", ["sage", "gin"])
+@pytest.mark.parametrize("form", ["edge_index", "SparseTensor", "csr"])
+def test_contract_bipartite(kind, form):
+    n_src, n_dst = 11, 7
+    ei = random_edge_index(n_src, n_dst, 30, seed=4)
+    adj = adjacency(form, ei, (n_src, n_dst))
+    ours, stock = make_pair(kind)
+    x = (_x(n_src, seed=5), _x(n_dst, seed=6))
+    size = (n_src, n_dst) if form == "edge_index" else None
+    args = (adj, size)
+    assert_same_as_stock(ours, stock, x, args, K)
+
+
+@pytest.mark.parametrize("kind", ["sage", "gin"])
+def test_contract_bipartite_without_target_features(kind):
+    n_src, n_dst = 11, 7
+    ei = random_edge_index(n_src, n_dst, 30, seed=4)
+    ours, stock = make_pair(kind)
+    assert_same_as_stock(ours, stock, (_x(n_src), None), (ei, (n_src, n_dst)), K)
+
+
+def test_contract_gcn_edge_weight_and_options():
+    ei = random_edge_index(N, N, 50, seed=7)
+    w = _weights(ei.size(1))
+    for kw in ({}, {"improved": True}, {"add_self_loops": False},
+               {"normalize": False}, {"bias": False}):
+        ours, stock = make_pair("gcn", **kw)
+        assert_same_as_stock(ours, stock, _x(), (ei, w), K)
+
+
+@pytest.mark.parametrize("kw", [{"aggr": "sum"}, {"root_weight": False},
+                                {"normalize": True}, {"bias": False}])
+def test_contract_sage_options(kw):
+    ei = random_edge_index(N, N, 50, seed=8)
+    ours, stock = make_pair("sage", **kw)
+    assert_same_as_stock(ours, stock, _x(), (ei,), K)
+
+
+@pytest.mark.parametrize("kind", ["sage", "gcn", "gin"])
+def test_contract_empty_edge_set(kind):
+    ei = torch.empty(2, 0, dtype=torch.long)
+    ours, stock = make_pair(kind)
+    assert_same_as_stock(ours, stock, _x(), (ei,), K)
+
+
+@pytest.mark.parametrize("kind", ["sage", "gcn", "gin"])
+def test_contract_wide_features_and_identity_k(kind):
+    f_in = 300  # beyond uint8 indices
+    ei = random_edge_index(N, N, 40, seed=9)
+    ours, stock = make_pair(kind, f_in=f_in, k=17)
+    x = _x(f=f_in)
+    assert pyg_maxk.maxk(x, 17).indices.dtype == torch.int16
+    assert_same_as_stock(ours, stock, x, (ei,), 17)
+    # k >= dim is the identity: the MaxK conv equals the stock conv on x.
+    ours, stock = make_pair(kind, f_in=f_in, k=f_in + 5)
+    assert_same_as_stock(ours, stock, x, (ei,), f_in + 5)
+
+
+@pytest.mark.parametrize("kind", ["sage", "gcn", "gin"])
+def test_gradcheck_float64(kind):
+    ei = random_edge_index(8, 8, 20, seed=10)
+    torch.manual_seed(0)
+    conv = make_pair(kind, f_in=6, k=3)[0].double()
+    x = torch.randn(8, 6, dtype=torch.float64, requires_grad=True)
+    with pyg_maxk.use_backend("torch"):
+        assert torch.autograd.gradcheck(lambda x: conv(x, ei), (x,))
+
+
+@pytest.mark.parametrize("kind", ["sage", "gcn", "gin"])
+def test_state_dict_loads_both_ways(kind):
+    ours, stock = make_pair(kind)
+    assert set(ours.state_dict()) == set(stock.state_dict())
+    ours.load_state_dict(stock.state_dict())
+    stock.load_state_dict(ours.state_dict())
+
+
+def test_aliases_swap_with_one_import():
+    from pyg_maxk.nn import GCNConv as G, GINConv as I, SAGEConv as S
+
+    assert S is MaxKSAGEConv and G is MaxKGCNConv and I is MaxKGINConv
+    conv = S(F_IN, F_OUT)  # stock arguments only: k defaults to 32
+    assert conv.k == 32 and "k=32" in repr(conv)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: MaxKSAGEConv(8, 8, aggr="lstm"),
+    lambda: MaxKSAGEConv(8, 8, aggr="max"),
+    lambda: MaxKSAGEConv(8, 8, project=True),
+    lambda: MaxKGINConv(torch.nn.Linear(8, 8), aggr="mean"),
+    lambda: MaxKSAGEConv(8, 8, flow="target_to_source"),
+    lambda: MaxKSAGEConv(8, 8, k=0),
+    lambda: MaxKGCNConv(8, 8, k=2.5),
+])
+def test_unsupported_options_are_clear_errors(make):
+    with pytest.raises(ValueError):
+        make()
+
+
+def test_bad_inputs_raise():
+    conv = MaxKSAGEConv(F_IN, F_OUT, k=K)
+    ei = random_edge_index(N, N, 30)
+    with pytest.raises(ValueError, match="2-D"):
+        conv(torch.randn(F_IN), ei)
+    with pytest.raises(ValueError, match="integer"):
+        conv(_x(), ei.float())
+    with pytest.raises(ValueError, match="expects"):
+        conv(_x(), ei, (N + 1, N))
+    with pytest.raises(ValueError, match="expects"):
+        conv((_x(N), _x(N - 3)), ei, (N, N))
+    with pytest.raises(IndexError):
+        conv(_x(N - 5), ei)
+    meta = _x().to("meta")
+    with pytest.raises(ValueError, match="device"):
+        conv(meta, ei)
+    gcn = MaxKGCNConv(F_IN, F_OUT, k=K)
+    with pytest.raises(ValueError, match="tuple"):
+        gcn((_x(), _x()), ei)
+    with pytest.raises(NotImplementedError, match="edge_weight"):
+        gcn(_x(), ei, torch.rand(ei.size(1), requires_grad=True))
+
+
+def test_graph_built_once_across_layers_and_epochs():
+    from pyg_maxk.graph import _CACHE
+
+    ei = random_edge_index(N, N, 30)
+    convs = [MaxKSAGEConv(F_IN, F_IN, k=K) for _ in range(3)]
+    x = _x()
+    for _ in range(2):
+        h = x
+        for conv in convs:
+            h = conv(h, ei)
+        h.sum().backward()
+    assert len(_CACHE) == 1
+
+
+def test_dropout_on_kept_values_only():
+    conv = MaxKSAGEConv(F_IN, F_OUT, k=K, dropout=0.5, root_weight=False, bias=False)
+    ei = random_edge_index(N, N, 30)
+    conv.eval()
+    a = conv(_x(), ei)
+    torch.testing.assert_close(a, conv(_x(), ei))  # no dropout in eval
+    conv.train()
+    torch.manual_seed(0)
+    b = conv(_x(), ei)
+    assert not torch.allclose(a, b)
+
+
+@pytest.mark.parametrize("model_name", ["MaxKGraphSAGE", "MaxKGCN", "MaxKGIN"])
+def test_models_train_and_stock_baseline(model_name):
+    from pyg_maxk import nn as mnn
+
+    cls = getattr(mnn, model_name)
+    ei = random_edge_index(N, N, 40)
+    y = torch.randint(0, 3, (N,))
+    for k in (4, None):
+        torch.manual_seed(0)
+        model = cls(F_IN, 16, num_layers=2, out_channels=3, k=k, dropout=0.1)
+        opt = torch.optim.Adam(model.parameters(), lr=0.02)
+        losses = []
+        for _ in range(30):
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(_x(), ei), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        assert losses[-1] < losses[0] * 0.7, (k, losses[0], losses[-1])
+        assert ("k=4" if k else "stock") in repr(model)
+
+
+def test_lazy_in_channels():
+    conv = MaxKSAGEConv(-1, F_OUT, k=K)
+    out = conv(_x(), random_edge_index(N, N, 30))
+    assert out.shape == (N, F_OUT)

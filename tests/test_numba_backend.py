@@ -1,0 +1,160 @@
+"""The "numba" backend: kernels against float64 references and the layer
+contract against the stock convs.
+
+Without a GPU these run in Numba's CUDA simulator on small CPU tensors (see
+conftest.py); on a GPU (``pytest -m gpu`` adds the heavy cases) they run the
+compiled kernels on CUDA tensors.
+"""
+import pytest
+import torch
+
+import pyg_maxk
+from pyg_maxk import CBSR, CSRGraph
+from pyg_maxk.ops import numba_ops
+
+from helpers import assert_same_as_stock, random_edge_index
+from test_layers import make_pair
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+pytestmark = pytest.mark.sim if not ON_GPU else []
+
+
+def poison_allocator(nbytes: int = 1 << 26) -> None:
+    """Fill memory the CUDA caching allocator will hand out next with NaN,
+    so that outputs a kernel fails to write show up."""
+    if ON_GPU:
+        junk = torch.full((nbytes // 4,), float("nan"), device=DEVICE)
+        del junk
+
+
+def random_cbsr(num_rows, dim, k, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_rows, dim, generator=g)
+    values, idx = x.topk(k, dim=1)
+    return CBSR(values.to(DEVICE, dtype), idx.to(DEVICE, pyg_maxk.index_dtype_for(dim)), dim)
+
+
+def assert_same_selection(h: CBSR, x: torch.Tensor, k: int) -> None:
+    """``h`` holds exactly torch.topk's values, in its order, at columns
+    holding those values. Among equal values the kernel picks the lowest
+    column, torch.topk on CUDA an unspecified one, so tied columns may
+    differ."""
+    values, idx = torch.topk(x, k, dim=1)
+    torch.testing.assert_close(h.values, values, rtol=0, atol=0)
+    cols = h.indices.long()
+    torch.testing.assert_close(x.gather(1, cols), values, rtol=0, atol=0)
+    assert (cols.sort(1).values.diff(dim=1) > 0).all(), "a column was picked twice"
+    equal_next = values[:, 1:] == values[:, :-1]
+    tied = torch.zeros_like(values, dtype=torch.bool)
+    tied[:, 1:] |= equal_next
+    tied[:, :-1] |= equal_next
+    assert torch.equal(cols[~tied], idx[~tied])
+
+
+def reference_spgemm(graph: CSRGraph, h: CBSR) -> torch.Tensor:
+    """``A @ dense(h)`` in float64."""
+    return torch.sparse.mm(graph.torch_csr(torch.float64), h.to_dense().double())
+
+
+def reference_sspmm(graph: CSRGraph, h: CBSR, grad_out: torch.Tensor) -> torch.Tensor:
+    """``(A^T @ grad_out)`` sampled at the CBSR pattern, in float64."""
+    a_t = graph.torch_csr(torch.float64).t().to_sparse_csr()
+    return torch.sparse.mm(a_t, grad_out.double()).gather(1, h.long_indices())
+
+
+def check_kernels(graph, dim, k, seed=0, rtol=1e-5, atol=1e-5):
+    h = random_cbsr(graph.num_src, dim, k, seed)
+    values = h.values.clone().requires_grad_()
+    poison_allocator()
+    with pyg_maxk.use_backend("numba"):
+        out = pyg_maxk.aggregate(graph, h.with_values(values))
+    ref = reference_spgemm(graph, h)
+    torch.testing.assert_close(out.double(), ref, rtol=rtol, atol=atol)
+    grad_out = torch.randn(graph.num_dst, dim).to(DEVICE)
+    poison_allocator()
+    out.backward(grad_out)
+    torch.testing.assert_close(values.grad.double(), reference_sspmm(graph, h, grad_out),
+                               rtol=rtol, atol=atol)
+    return out, values.grad
+
+
+@pytest.mark.parametrize("normalization", ["sum", "mean", "gcn"])
+def test_spgemm_and_sspmm_against_float64(normalization):
+    ei = random_edge_index(30, 30, 150, seed=1).to(DEVICE)
+    w = (torch.rand(150) + 0.1).to(DEVICE) if normalization != "mean" else None
+    graph = CSRGraph.from_adj(ei, (30, 30), edge_weight=w, normalization=normalization)
+    check_kernels(graph, dim=40, k=6)
+
+
+def test_heavy_rows_split_across_items(monkeypatch):
+    # One row of 200 edges with work items of 16 edges: atomics across items.
+    monkeypatch.setattr(numba_ops, "PAIRS_PER_ITEM", 16 * 4)
+    src = torch.arange(200) % 25
+    dst = torch.cat([torch.zeros(190, dtype=torch.long), torch.arange(1, 11)])
+    graph = CSRGraph.from_adj(torch.stack([src, dst]).to(DEVICE), (25, 12))
+    assert graph.schedule(16).split.sum() == 12  # ceil(190 / 16)
+    check_kernels(graph, dim=20, k=4)
+
+
+def test_bipartite_empty_and_wide():
+    ei = random_edge_index(17, 9, 60, seed=2).to(DEVICE)
+    check_kernels(CSRGraph.from_adj(ei, (17, 9), normalization="mean"), dim=300, k=7)
+    empty = CSRGraph.from_adj(torch.empty(2, 0, dtype=torch.long, device=DEVICE), (5, 4))
+    check_kernels(empty, dim=16, k=3)
+
+
+@pytest.mark.parametrize("dim,k", [(40, 1), (40, 9), (40, 39), (300, 12)])
+def test_maxk_select_matches_topk(dim, k):
+    x = torch.randn(13, dim).to(DEVICE).requires_grad_()
+    poison_allocator()
+    with pyg_maxk.use_backend("numba"):
+        h = pyg_maxk.maxk(x, k)
+    assert h.indices.dtype == pyg_maxk.index_dtype_for(dim)
+    assert_same_selection(h, x.detach(), k)
+    idx = h.indices.long()
+    g = torch.randn_like(h.values)
+    with pyg_maxk.use_backend("numba"):
+        h.values.backward(g)
+    torch.testing.assert_close(x.grad, torch.zeros_like(x).scatter(1, idx, g))
+
+
+def test_maxk_select_ties_and_nan():
+    x = torch.tensor([[1.0, 3.0, 3.0, float("nan"), 3.0, -1.0, float("-inf"), 0.0]] * 2)
+    with pyg_maxk.use_backend("numba"):
+        h = pyg_maxk.maxk(x.to(DEVICE), 4)
+    # NaN first (as torch.topk ranks it), ties in column order.
+    assert h.indices.long().cpu().tolist() == [[3, 1, 2, 4]] * 2
+
+
+@pytest.mark.parametrize("kind", ["sage", "gcn", "gin"])
+def test_layer_contract_numba(kind):
+    ei = random_edge_index(14, 14, 50, seed=3).to(DEVICE)
+    ours, stock = make_pair(kind)
+    x = torch.randn(14, 24).to(DEVICE)
+    assert_same_as_stock(ours.to(DEVICE), stock.to(DEVICE), x, (ei,), 5, backend="numba")
+
+
+def test_layer_contract_numba_bipartite_sage():
+    ei = random_edge_index(11, 7, 30, seed=4).to(DEVICE)
+    ours, stock = make_pair("sage")
+    x = (torch.randn(11, 24).to(DEVICE), torch.randn(7, 24).to(DEVICE))
+    assert_same_as_stock(ours.to(DEVICE), stock.to(DEVICE), x, (ei, (11, 7)), 5,
+                         backend="numba")
+
+
+def test_custom_ops_pass_opcheck():
+    ei = random_edge_index(10, 10, 30, seed=5).to(DEVICE)
+    graph = CSRGraph.from_adj(ei, (10, 10), normalization="mean")
+    h = random_cbsr(10, 16, 3)
+    s = graph.schedule(numba_ops.max_edges_per_item(3))
+    values = h.values.clone().requires_grad_()
+    args = (s.row, s.start, s.end, s.split, graph.kernel_col(),
+            numba_ops.kernel_weight(graph), values, h.indices, 10, 16)
+    torch.library.opcheck(numba_ops.spgemm_op, args,
+                          test_utils=("test_schema", "test_autograd_registration",
+                                      "test_faketensor"))
+    x = torch.randn(6, 16, device=DEVICE, requires_grad=True)
+    torch.library.opcheck(numba_ops.maxk_select_op, (x, 4),
+                          test_utils=("test_schema", "test_autograd_registration",
+                                      "test_faketensor"))
