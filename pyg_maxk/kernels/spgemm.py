@@ -21,7 +21,8 @@ Backward (outer-product style, from the same CSR)::
 
 The threads of a block walk the ``(edge, slot)`` pairs in order, so the ``k``
 slots of one neighbour are read and (backward) updated by adjacent threads:
-coalesced loads of ``values``/``indices`` and coalesced atomics.
+coalesced loads of ``values``/``indices`` and coalesced atomics. The CBSR
+arrays are passed flattened (``[N * k]``) and indexed with uint32 arithmetic.
 """
 from __future__ import annotations
 
@@ -31,75 +32,75 @@ from ._numba import cuda_module
 
 # Module-level name `cuda`: Numba's simulator swaps exactly this global.
 cuda = cuda_module()
-from numba import float32  # noqa: E402 (after the numpy shim)
+from numba import float32, uint32  # noqa: E402 (after the numpy shim)
+
+
+WARP = 32
 
 
 @functools.lru_cache(maxsize=None)
-def _pair_function(k: int, weighted: bool):
-    """Device function: pair ``t`` of an item starting at edge ``e0`` ->
-    (source node, CBSR slot, edge value)."""
+def _pair_function(k: int):
+    """Device function: pair ``t`` of the item starting at edge ``e0`` ->
+    (edge, flat CBSR slot ``source * k + j``), in uint32 arithmetic."""
+    kk = uint32(k)
 
     @cuda.jit(device=True, inline=True)
-    def pair(t, e0, col, weight):
-        q = t // k
+    def pair(t, e0, col):
+        q = t // kk
         e = e0 + q
-        a = weight[e] if weighted else float32(1.0)
-        return col[e], t - q * k, a
+        return e, uint32(col[e]) * kk + (t - q * kk)
 
     return pair
 
 
 @functools.lru_cache(maxsize=None)
 def spgemm_kernel(dim: int, k: int, threads: int, weighted: bool):
-    """The compiled forward kernel for one ``(dim, k, threads, weighted)``."""
-    _pair = _pair_function(k, weighted)
+    """The compiled forward kernel for one ``(dim, k, threads, weighted)``.
+
+    ``values``/``indices`` are the flattened ``[N * k]`` CBSR arrays. Every
+    warp accumulates into a private shared row (``warps x dim`` floats):
+    measured on an H200 (Reddit-shaped graph, k=32, dim 256), the shared
+    atomics dominate the kernel (16.5 ms with, 6.7 ms without), and private
+    rows take the contention between warps off them. Index arithmetic is
+    uint32 (no negative-index wraparound code): 21.7 -> 16.5 ms.
+    """
+    warps = threads // WARP
+    kk = uint32(k)
+    pair = _pair_function(k)
 
     @cuda.jit
     def spgemm(item_row, item_start, item_end, item_split, col, weight,
                values, indices, out, num_items):
-        buf = cuda.shared.array(dim, float32)
+        buf = cuda.shared.array((warps, dim), float32)
         tid = cuda.threadIdx.x
+        warp = tid // WARP
         for item in range(cuda.blockIdx.x, num_items, cuda.gridDim.x):
             r = item_row[item]
-            e0 = item_start[item]
             for d in range(tid, dim, threads):
-                buf[d] = float32(0.0)
+                for w in range(warps):
+                    buf[w, d] = float32(0.0)
             cuda.syncthreads()
-            num_pairs = (item_end[item] - e0) * k
-            # Four independent pairs per thread and round: their loads are
-            # issued together, so memory latency overlaps (the kernel is
-            # latency-bound otherwise).
-            for t0 in range(tid, num_pairs, threads * 4):
-                t1 = t0 + threads
-                t2 = t1 + threads
-                t3 = t2 + threads
-                c0, j0, a0 = _pair(t0, e0, col, weight)
-                c1, j1, a1 = _pair(min(t1, num_pairs - 1), e0, col, weight)
-                c2, j2, a2 = _pair(min(t2, num_pairs - 1), e0, col, weight)
-                c3, j3, a3 = _pair(min(t3, num_pairs - 1), e0, col, weight)
-                v0 = values[c0, j0] * a0
-                v1 = values[c1, j1] * a1
-                v2 = values[c2, j2] * a2
-                v3 = values[c3, j3] * a3
-                i0 = indices[c0, j0]
-                i1 = indices[c1, j1]
-                i2 = indices[c2, j2]
-                i3 = indices[c3, j3]
-                cuda.atomic.add(buf, i0, v0)
-                if t1 < num_pairs:
-                    cuda.atomic.add(buf, i1, v1)
-                if t2 < num_pairs:
-                    cuda.atomic.add(buf, i2, v2)
-                if t3 < num_pairs:
-                    cuda.atomic.add(buf, i3, v3)
+            e0 = uint32(item_start[item])
+            num_pairs = uint32(item_end[item] - item_start[item]) * kk
+            t = uint32(tid)
+            while t < num_pairs:
+                e, slot = pair(t, e0, col)
+                v = values[slot]
+                if weighted:
+                    v *= weight[e]
+                cuda.atomic.add(buf, (warp, indices[slot]), v)
+                t += uint32(threads)
             cuda.syncthreads()
-            if item_split[item]:
-                for d in range(tid, dim, threads):
-                    if buf[d] != 0:
-                        cuda.atomic.add(out, (r, d), buf[d])
-            else:
-                for d in range(tid, dim, threads):
-                    out[r, d] = buf[d]
+            split = item_split[item]
+            for d in range(tid, dim, threads):
+                acc = buf[0, d]
+                for w in range(1, warps):
+                    acc += buf[w, d]
+                if split:
+                    if acc != 0:
+                        cuda.atomic.add(out, (r, d), acc)
+                else:
+                    out[r, d] = acc
             cuda.syncthreads()
 
     return spgemm
@@ -107,8 +108,10 @@ def spgemm_kernel(dim: int, k: int, threads: int, weighted: bool):
 
 @functools.lru_cache(maxsize=None)
 def sspmm_kernel(dim: int, k: int, threads: int, weighted: bool):
-    """The compiled backward kernel for one ``(dim, k, threads, weighted)``."""
-    _pair = _pair_function(k, weighted)
+    """The compiled backward kernel for one ``(dim, k, threads, weighted)``;
+    ``indices`` and ``grad_values`` are flattened ``[N * k]`` arrays."""
+    kk = uint32(k)
+    pair = _pair_function(k)
 
     @cuda.jit
     def sspmm(item_row, item_start, item_end, col, weight, indices, grad_out,
@@ -117,30 +120,19 @@ def sspmm_kernel(dim: int, k: int, threads: int, weighted: bool):
         tid = cuda.threadIdx.x
         for item in range(cuda.blockIdx.x, num_items, cuda.gridDim.x):
             r = item_row[item]
-            e0 = item_start[item]
             for d in range(tid, dim, threads):
                 buf[d] = grad_out[r, d]
             cuda.syncthreads()
-            num_pairs = (item_end[item] - e0) * k
-            for t0 in range(tid, num_pairs, threads * 4):  # 4 pairs per round, as above
-                t1 = t0 + threads
-                t2 = t1 + threads
-                t3 = t2 + threads
-                c0, j0, a0 = _pair(t0, e0, col, weight)
-                c1, j1, a1 = _pair(min(t1, num_pairs - 1), e0, col, weight)
-                c2, j2, a2 = _pair(min(t2, num_pairs - 1), e0, col, weight)
-                c3, j3, a3 = _pair(min(t3, num_pairs - 1), e0, col, weight)
-                g0 = buf[indices[c0, j0]] * a0
-                g1 = buf[indices[c1, j1]] * a1
-                g2 = buf[indices[c2, j2]] * a2
-                g3 = buf[indices[c3, j3]] * a3
-                cuda.atomic.add(grad_values, (c0, j0), g0)
-                if t1 < num_pairs:
-                    cuda.atomic.add(grad_values, (c1, j1), g1)
-                if t2 < num_pairs:
-                    cuda.atomic.add(grad_values, (c2, j2), g2)
-                if t3 < num_pairs:
-                    cuda.atomic.add(grad_values, (c3, j3), g3)
+            e0 = uint32(item_start[item])
+            num_pairs = uint32(item_end[item] - item_start[item]) * kk
+            t = uint32(tid)
+            while t < num_pairs:
+                e, slot = pair(t, e0, col)
+                g = buf[indices[slot]]
+                if weighted:
+                    g *= weight[e]
+                cuda.atomic.add(grad_values, slot, g)
+                t += uint32(threads)
             cuda.syncthreads()
 
     return sspmm

@@ -223,11 +223,11 @@ def spgemm_op(item_row: Tensor, item_start: Tensor, item_end: Tensor, item_split
         run = launcher()
         threads = run.threads
         v32 = values.detach().to(KERNEL_DTYPE).contiguous()
-        w = weight if weight is not None else v32  # unread when unweighted
+        w = weight if weight is not None else item_start  # unread when unweighted
         blocks = min(num_items, run.max_blocks(values.device, threads))
         run(spgemm_kernel(dim, k, threads, weight is not None), blocks, threads, values.device,
-            item_row, item_start, item_end, item_split, col, w, v32, indices.contiguous(),
-            out, num_items)
+            item_row, item_start, item_end, item_split, col, w, v32.view(-1),
+            indices.contiguous().view(-1), out, num_items)
     return out.to(values.dtype)
 
 
@@ -249,11 +249,11 @@ def sspmm_op(item_row: Tensor, item_start: Tensor, item_end: Tensor, col: Tensor
         run = launcher()
         threads = run.threads
         g32 = grad_out.detach().to(KERNEL_DTYPE).contiguous()
-        w = weight if weight is not None else g32
+        w = weight if weight is not None else item_start  # unread when unweighted
         blocks = min(num_items, run.max_blocks(grad_out.device, threads))
         run(sspmm_kernel(dim, k, threads, weight is not None), blocks, threads, grad_out.device,
-            item_row, item_start, item_end, col, w, indices.contiguous(), g32, grad_values,
-            num_items)
+            item_row, item_start, item_end, col, w, indices.contiguous().view(-1), g32,
+            grad_values.view(-1), num_items)
     return grad_values.to(grad_out.dtype)
 
 
