@@ -48,3 +48,15 @@ def test_forced_numba_on_cpu_without_simulator_is_a_clear_error():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert proc.returncode != 0
     assert "needs CUDA tensors" in proc.stderr and "NUMBA_ENABLE_CUDASIM" in proc.stderr
+
+
+def test_numpy_row_stack_shim(monkeypatch):
+    """numba-cuda 0.30.4 needs numpy.row_stack, which numpy 2.5 removed."""
+    import numpy as np
+
+    from pyg_maxk.kernels import patch_numpy
+
+    monkeypatch.delattr(np, "row_stack", raising=False)
+    assert patch_numpy() is True
+    assert np.row_stack is np.vstack
+    assert patch_numpy() is False  # idempotent once present
