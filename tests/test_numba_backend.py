@@ -52,6 +52,13 @@ def assert_same_selection(h: CBSR, x: torch.Tensor, k: int) -> None:
     assert torch.equal(cols[~tied], idx[~tied])
 
 
+def kernel_maxk(x: torch.Tensor, k: int) -> CBSR:
+    """MaxK through the select kernel itself (``pyg_maxk.maxk`` hands large
+    ``k`` to torch.topk, which is faster there)."""
+    values, indices = numba_ops.maxk_select(x, k)
+    return CBSR(values, indices, x.size(1))
+
+
 def reference_spgemm(graph: CSRGraph, h: CBSR) -> torch.Tensor:
     """``A @ dense(h)`` in float64."""
     return torch.sparse.mm(graph.torch_csr(torch.float64), h.to_dense().double())
@@ -97,6 +104,22 @@ def test_heavy_rows_split_across_items(monkeypatch):
     check_kernels(graph, dim=20, k=4)
 
 
+@pytest.mark.parametrize("dim,k", [(24, 1), (80, 33), (70, 64)])
+def test_one_lane_groups_and_slots_beyond_a_warp(dim, k):
+    # k=1: 32 neighbours side by side per warp; k > 32: a lane owns several slots.
+    ei = random_edge_index(40, 30, 400, seed=3).to(DEVICE)
+    w = (torch.rand(400) + 0.1).to(DEVICE)
+    check_kernels(CSRGraph.from_adj(ei, (40, 30), edge_weight=w), dim=dim, k=k)
+
+
+def test_too_wide_for_shared_memory_falls_back_to_torch():
+    from pyg_maxk.kernels.spgemm import SHARED_BYTES
+    dim = SHARED_BYTES // 4 + 1
+    assert not numba_ops.supports(3, dim)
+    ei = random_edge_index(6, 5, 12, seed=4).to(DEVICE)
+    check_kernels(CSRGraph.from_adj(ei, (6, 5)), dim=dim, k=3)
+
+
 def test_bipartite_empty_and_wide():
     ei = random_edge_index(17, 9, 60, seed=2).to(DEVICE)
     check_kernels(CSRGraph.from_adj(ei, (17, 9), normalization="mean"), dim=300, k=7)
@@ -108,21 +131,18 @@ def test_bipartite_empty_and_wide():
 def test_maxk_select_matches_topk(dim, k):
     x = torch.randn(13, dim).to(DEVICE).requires_grad_()
     poison_allocator()
-    with pyg_maxk.use_backend("numba"):
-        h = pyg_maxk.maxk(x, k)
+    h = kernel_maxk(x, k)
     assert h.indices.dtype == pyg_maxk.index_dtype_for(dim)
     assert_same_selection(h, x.detach(), k)
     idx = h.indices.long()
     g = torch.randn_like(h.values)
-    with pyg_maxk.use_backend("numba"):
-        h.values.backward(g)
+    h.values.backward(g)
     torch.testing.assert_close(x.grad, torch.zeros_like(x).scatter(1, idx, g))
 
 
 def test_maxk_select_ties_and_nan():
     x = torch.tensor([[1.0, 3.0, 3.0, float("nan"), 3.0, -1.0, float("-inf"), 0.0]] * 2)
-    with pyg_maxk.use_backend("numba"):
-        h = pyg_maxk.maxk(x.to(DEVICE), 4)
+    h = kernel_maxk(x.to(DEVICE), 4)
     # NaN first (as torch.topk ranks it), ties in column order.
     assert h.indices.long().cpu().tolist() == [[3, 1, 2, 4]] * 2
 
@@ -141,6 +161,17 @@ def test_layer_contract_numba_bipartite_sage():
     x = (torch.randn(11, 24).to(DEVICE), torch.randn(7, 24).to(DEVICE))
     assert_same_as_stock(ours.to(DEVICE), stock.to(DEVICE), x, (ei, (11, 7)), 5,
                          backend="numba")
+
+
+def test_maxk_picks_the_select_kernel_only_where_it_is_faster(monkeypatch):
+    calls, original = [], numba_ops.maxk_select
+    monkeypatch.setattr(numba_ops, "maxk_select", lambda x, k: calls.append(k) or original(x, k))
+    x = torch.randn(5, 256).to(DEVICE)
+    with pyg_maxk.use_backend("numba"):
+        small, large = pyg_maxk.maxk(x, 8), pyg_maxk.maxk(x, 64)
+    assert calls == [8]
+    assert_same_selection(small, x, 8)
+    assert_same_selection(large, x, 64)
 
 
 def test_custom_ops_pass_opcheck():

@@ -2,108 +2,194 @@
 the CBSR values), both row-wise over the same balanced work items.
 
 A work item is a run of at most ``max_edges`` edges of one CSR row (see
-:class:`pyg_maxk.graph.WorkSchedule`); one thread block takes one item at a
-time (grid-stride), so a row of 50,000 edges is spread over many blocks while
-short rows cost one block each.
+:class:`pyg_maxk.graph.WorkSchedule`). One *warp* takes one item at a time
+(grid-stride over all warps of the grid), so a row of 50,000 edges is spread
+over many warps while a short row costs one warp and no block-wide barrier.
 
-Forward, for item (row r, edges e0..e1)::
+The lanes of a warp are split into ``groups`` of ``min(k, 32)`` lanes; lane
+``j`` of a group owns CBSR slot ``j`` (and ``j + 32``, ... when ``k > 32``).
+A group takes one neighbour at a time, so its lanes touch the ``k`` *distinct*
+columns of that neighbour's CBSR row: their updates never collide.
 
-    buf[:] = 0                                  # shared memory, dim floats
-    for every (edge e, slot j), one per thread:
-        buf[indices[col[e], j]] += a_e * values[col[e], j]   # shared atomics
-    out[r, :] = buf      (atomic adds when the row spans several items)
+Forward, for item (row r, edges e0..e1), every group g with its own
+shared-memory row ``acc[g, :dim]``::
+
+    acc[:] = 0
+    for each neighbour s = col[e] taken by group g, lane j:
+        acc[g, indices[s, j]] += a_e * values[s, j]    # plain load/add/store
+        syncwarp                                         # next neighbour may hit the same column
+    out[r, :] = sum_g acc[g, :]      (atomic adds when the row spans several items)
+
+No shared-memory atomics: floating-point ``atomicAdd`` on shared memory is a
+compare-and-swap loop in SASS and was measured to dominate the previous,
+block-per-item kernel on an H200 (16.5 ms with atomics vs 6.7 ms with racy
+plain stores, Reddit-shaped graph, k=32, dim 256).
 
 Backward (outer-product style, from the same CSR)::
 
-    buf[:] = grad_out[r, :]                     # staged once per item
-    for every (edge e, slot j):
-        grad_values[col[e], j] += a_e * buf[indices[col[e], j]]   # global atomics
+    buf[:] = grad_out[r, :]                     # the warp's shared row
+    for each neighbour s = col[e] taken by group g, lane j:
+        grad_values[s, j] += a_e * buf[indices[s, j]]    # coalesced global atomics
 
-The threads of a block walk the ``(edge, slot)`` pairs in order, so the ``k``
-slots of one neighbour are read and (backward) updated by adjacent threads:
-coalesced loads of ``values``/``indices`` and coalesced atomics. The CBSR
-arrays are passed flattened (``[N * k]``) and indexed with uint32 arithmetic.
+Both kernels are bound by the latency of the dependent chain
+``col[e] -> values/indices[s, j] -> shared row``, so each lane keeps ``UNROLL``
+neighbours in flight: the warp loads 32 column ids at once (one coalesced
+load), then the loads of ``UNROLL`` neighbours are issued before their
+updates. The CBSR arrays are passed flattened (``[N * k]``) and indexed with
+uint32 arithmetic (no negative-index wraparound code).
+
+Numba's simulator has no ``syncwarp``: there the launcher uses one-warp
+blocks and the kernels use ``syncthreads`` in its place (same semantics for a
+one-warp block; every loop bound below is warp-uniform, so every lane reaches
+every barrier).
 """
 from __future__ import annotations
 
 import functools
 
-from ._numba import cuda_module
+from ._numba import cuda_module, simulator_enabled
 
 # Module-level name `cuda`: Numba's simulator swaps exactly this global.
 cuda = cuda_module()
 from numba import float32, uint32  # noqa: E402 (after the numpy shim)
 
-
 WARP = 32
+#: Neighbours whose loads a lane issues before it applies their updates.
+UNROLL = 4
+#: Static shared memory a kernel may use (the CUDA default per block).
+SHARED_BYTES = 48 * 1024
+
+
+def lane_groups(k: int, dim: int, warps: int) -> int:
+    """Neighbours a warp processes side by side in the forward kernel: one
+    per ``min(k, 32)`` lanes, capped so that the per-group rows fit in shared
+    memory (0 when even one row per warp does not fit)."""
+    rows_that_fit = (SHARED_BYTES - warps * WARP * 8) // (4 * dim * warps)
+    return max(0, min(max(1, WARP // k), rows_that_fit))
+
+
+def fits_shared_memory(k: int, dim: int, warps: int) -> bool:
+    """Whether the kernels' shared rows of width ``dim`` fit."""
+    return lane_groups(k, dim, warps) >= 1
 
 
 @functools.lru_cache(maxsize=None)
-def _pair_function(k: int):
-    """Device function: pair ``t`` of the item starting at edge ``e0`` ->
-    (edge, flat CBSR slot ``source * k + j``), in uint32 arithmetic."""
-    kk = uint32(k)
+def _warp_sync():
+    if simulator_enabled():
+        @cuda.jit(device=True, inline=True)
+        def sync():
+            cuda.syncthreads()  # launched with one-warp blocks
+    else:
+        @cuda.jit(device=True, inline=True)
+        def sync():
+            cuda.syncwarp()
+    return sync
 
-    @cuda.jit(device=True, inline=True)
-    def pair(t, e0, col):
-        q = t // kk
-        e = e0 + q
-        return e, uint32(col[e]) * kk + (t - q * kk)
 
-    return pair
+def _layout(k: int, groups: int):
+    """(lanes per group, active lanes, slot chunks per lane)."""
+    lanes = min(k, WARP)
+    return lanes, lanes * groups, -(-k // WARP)
 
 
 @functools.lru_cache(maxsize=None)
 def spgemm_kernel(dim: int, k: int, threads: int, weighted: bool):
-    """The compiled forward kernel for one ``(dim, k, threads, weighted)``.
-
-    ``values``/``indices`` are the flattened ``[N * k]`` CBSR arrays. Every
-    warp accumulates into a private shared row (``warps x dim`` floats), so
-    warps never contend for one address. Measured on an H200 (Reddit-shaped
-    graph, k=32, dim 256): uint32 index arithmetic (no negative-index
-    wraparound code) took the kernel from 21.7 to 16.5 ms; the private rows
-    changed nothing measurable (16.6 ms), so contention between warps is not
-    the limit; the shared atomics themselves are (6.7 ms with plain, racy
-    stores instead).
-    """
+    """The compiled forward kernel for one ``(dim, k, threads, weighted)``."""
     warps = threads // WARP
+    groups = lane_groups(k, dim, warps)
+    if groups < 1:
+        raise ValueError(f"dim={dim} is too wide for the SpGEMM kernel's shared memory")
+    lanes, active_lanes, chunks = _layout(k, groups)
     kk = uint32(k)
-    pair = _pair_function(k)
+    sync = _warp_sync()
 
     @cuda.jit
     def spgemm(item_row, item_start, item_end, item_split, col, weight,
                values, indices, out, num_items):
-        buf = cuda.shared.array((warps, dim), float32)
-        tid = cuda.threadIdx.x
-        warp = tid // WARP
-        for item in range(cuda.blockIdx.x, num_items, cuda.gridDim.x):
-            r = item_row[item]
-            for d in range(tid, dim, threads):
-                for w in range(warps):
-                    buf[w, d] = float32(0.0)
-            cuda.syncthreads()
+        acc = cuda.shared.array((warps, groups, dim), float32)
+        nbr = cuda.shared.array((warps, WARP), uint32)    # neighbour * k
+        nbr_w = cuda.shared.array((warps, WARP), float32)
+        lane = cuda.threadIdx.x % WARP
+        warp = cuda.threadIdx.x // WARP
+        group = lane // lanes
+        slot = uint32(lane - group * lanes)
+        active = lane < active_lanes
+        for item in range(cuda.blockIdx.x * warps + warp, num_items, cuda.gridDim.x * warps):
+            for g in range(groups):
+                for d in range(lane, dim, WARP):
+                    acc[warp, g, d] = float32(0.0)
             e0 = uint32(item_start[item])
-            num_pairs = uint32(item_end[item] - item_start[item]) * kk
-            t = uint32(tid)
-            while t < num_pairs:
-                e, slot = pair(t, e0, col)
-                v = values[slot]
-                if weighted:
-                    v *= weight[e]
-                cuda.atomic.add(buf, (warp, indices[slot]), v)
-                t += uint32(threads)
-            cuda.syncthreads()
+            e1 = uint32(item_end[item])
+            sync()
+            for base in range(e0, e1, uint32(WARP)):
+                n = min(uint32(WARP), e1 - base)
+                if lane < n:
+                    nbr[warp, lane] = uint32(col[base + lane]) * kk
+                    if weighted:
+                        nbr_w[warp, lane] = weight[base + lane]
+                sync()
+                for step in range(0, n, groups * UNROLL):
+                    q0 = step + group
+                    q1 = q0 + groups
+                    q2 = q1 + groups
+                    q3 = q2 + groups
+                    for c in range(chunks):
+                        j = slot + uint32(c * WARP)
+                        ok = active and j < kk
+                        ok0 = ok and q0 < n
+                        ok1 = ok and q1 < n
+                        ok2 = ok and q2 < n
+                        ok3 = ok and q3 < n
+                        v0 = v1 = v2 = v3 = float32(0.0)
+                        i0 = i1 = i2 = i3 = 0
+                        if ok0:
+                            s = nbr[warp, q0] + j
+                            v0 = values[s]
+                            i0 = indices[s]
+                            if weighted:
+                                v0 *= nbr_w[warp, q0]
+                        if ok1:
+                            s = nbr[warp, q1] + j
+                            v1 = values[s]
+                            i1 = indices[s]
+                            if weighted:
+                                v1 *= nbr_w[warp, q1]
+                        if ok2:
+                            s = nbr[warp, q2] + j
+                            v2 = values[s]
+                            i2 = indices[s]
+                            if weighted:
+                                v2 *= nbr_w[warp, q2]
+                        if ok3:
+                            s = nbr[warp, q3] + j
+                            v3 = values[s]
+                            i3 = indices[s]
+                            if weighted:
+                                v3 *= nbr_w[warp, q3]
+                        if ok0:
+                            acc[warp, group, i0] += v0
+                        sync()
+                        if ok1:
+                            acc[warp, group, i1] += v1
+                        sync()
+                        if ok2:
+                            acc[warp, group, i2] += v2
+                        sync()
+                        if ok3:
+                            acc[warp, group, i3] += v3
+                        sync()
             split = item_split[item]
-            for d in range(tid, dim, threads):
-                acc = buf[0, d]
-                for w in range(1, warps):
-                    acc += buf[w, d]
+            r = item_row[item]
+            for d in range(lane, dim, WARP):
+                total = acc[warp, 0, d]
+                for g in range(1, groups):
+                    total += acc[warp, g, d]
                 if split:
-                    if acc != 0:
-                        cuda.atomic.add(out, (r, d), acc)
+                    if total != 0:
+                        cuda.atomic.add(out, (r, d), total)
                 else:
-                    out[r, d] = acc
-            cuda.syncthreads()
+                    out[r, d] = total
+            sync()
 
     return spgemm
 
@@ -112,29 +198,85 @@ def spgemm_kernel(dim: int, k: int, threads: int, weighted: bool):
 def sspmm_kernel(dim: int, k: int, threads: int, weighted: bool):
     """The compiled backward kernel for one ``(dim, k, threads, weighted)``;
     ``indices`` and ``grad_values`` are flattened ``[N * k]`` arrays."""
+    warps = threads // WARP
+    if not fits_shared_memory(k, dim, warps):
+        raise ValueError(f"dim={dim} is too wide for the SSpMM kernel's shared memory")
+    groups = max(1, WARP // k)
+    lanes, active_lanes, chunks = _layout(k, groups)
     kk = uint32(k)
-    pair = _pair_function(k)
+    sync = _warp_sync()
 
     @cuda.jit
     def sspmm(item_row, item_start, item_end, col, weight, indices, grad_out,
               grad_values, num_items):
-        buf = cuda.shared.array(dim, float32)
-        tid = cuda.threadIdx.x
-        for item in range(cuda.blockIdx.x, num_items, cuda.gridDim.x):
+        buf = cuda.shared.array((warps, dim), float32)
+        nbr = cuda.shared.array((warps, WARP), uint32)    # neighbour * k
+        nbr_w = cuda.shared.array((warps, WARP), float32)
+        lane = cuda.threadIdx.x % WARP
+        warp = cuda.threadIdx.x // WARP
+        group = lane // lanes
+        slot = uint32(lane - group * lanes)
+        active = lane < active_lanes
+        for item in range(cuda.blockIdx.x * warps + warp, num_items, cuda.gridDim.x * warps):
             r = item_row[item]
-            for d in range(tid, dim, threads):
-                buf[d] = grad_out[r, d]
-            cuda.syncthreads()
+            for d in range(lane, dim, WARP):
+                buf[warp, d] = grad_out[r, d]
             e0 = uint32(item_start[item])
-            num_pairs = uint32(item_end[item] - item_start[item]) * kk
-            t = uint32(tid)
-            while t < num_pairs:
-                e, slot = pair(t, e0, col)
-                g = buf[indices[slot]]
-                if weighted:
-                    g *= weight[e]
-                cuda.atomic.add(grad_values, slot, g)
-                t += uint32(threads)
-            cuda.syncthreads()
+            e1 = uint32(item_end[item])
+            for base in range(e0, e1, uint32(WARP)):
+                n = min(uint32(WARP), e1 - base)
+                sync()  # the previous round's reads of nbr are done
+                if lane < n:
+                    nbr[warp, lane] = uint32(col[base + lane]) * kk
+                    if weighted:
+                        nbr_w[warp, lane] = weight[base + lane]
+                sync()
+                for step in range(0, n, groups * UNROLL):
+                    q0 = step + group
+                    q1 = q0 + groups
+                    q2 = q1 + groups
+                    q3 = q2 + groups
+                    for c in range(chunks):
+                        j = slot + uint32(c * WARP)
+                        ok = active and j < kk
+                        ok0 = ok and q0 < n
+                        ok1 = ok and q1 < n
+                        ok2 = ok and q2 < n
+                        ok3 = ok and q3 < n
+                        s0 = s1 = s2 = s3 = uint32(0)
+                        i0 = i1 = i2 = i3 = 0
+                        if ok0:
+                            s0 = nbr[warp, q0] + j
+                            i0 = indices[s0]
+                        if ok1:
+                            s1 = nbr[warp, q1] + j
+                            i1 = indices[s1]
+                        if ok2:
+                            s2 = nbr[warp, q2] + j
+                            i2 = indices[s2]
+                        if ok3:
+                            s3 = nbr[warp, q3] + j
+                            i3 = indices[s3]
+                        if ok0:
+                            g = buf[warp, i0]
+                            if weighted:
+                                g *= nbr_w[warp, q0]
+                            cuda.atomic.add(grad_values, s0, g)
+                        if ok1:
+                            g = buf[warp, i1]
+                            if weighted:
+                                g *= nbr_w[warp, q1]
+                            cuda.atomic.add(grad_values, s1, g)
+                        if ok2:
+                            g = buf[warp, i2]
+                            if weighted:
+                                g *= nbr_w[warp, q2]
+                            cuda.atomic.add(grad_values, s2, g)
+                        if ok3:
+                            g = buf[warp, i3]
+                            if weighted:
+                                g *= nbr_w[warp, q3]
+                            cuda.atomic.add(grad_values, s3, g)
+            sync()  # buf is rewritten by the next item
 
     return sspmm

@@ -36,6 +36,14 @@ def _check_features(x: Tensor, what: str = "x") -> None:
         raise TypeError(f"{what} must be a floating point tensor, got {x.dtype}")
 
 
+def _select_kernel_wins(k: int, dim: int) -> bool:
+    """Whether the Numba select kernel beats :func:`torch.topk`. It does k
+    rounds of warp arg-max over the row, O(k * dim / 32) per row; measured on
+    an H200 (232,965 rows): faster than topk up to k=16 at dim >= 128 (k=8:
+    1.2 vs 2.8 ms at dim 256), slower from k=32 (4.5 vs 3.1 ms)."""
+    return k <= 8 or (k <= 16 and dim >= 128)
+
+
 def maxk(x: Tensor, k: int, *, dropout: float = 0.0, training: bool = False) -> CBSR:
     r"""Keep the ``k`` largest entries of every row of ``x`` (as
     :func:`torch.topk` picks them) and return them as a :class:`CBSR`.
@@ -59,7 +67,7 @@ def maxk(x: Tensor, k: int, *, dropout: float = 0.0, training: bool = False) -> 
     if k >= dim:
         indices = torch.arange(dim, device=x.device, dtype=index_dtype_for(dim))
         out = CBSR(x, indices.expand(n, dim), dim)
-    elif resolve_backend(x) == "numba":
+    elif resolve_backend(x) == "numba" and _select_kernel_wins(k, dim):
         from .numba_ops import maxk_select
         values, indices = maxk_select(x, k)
         out = CBSR(values, indices, dim)
@@ -93,8 +101,9 @@ def aggregate(graph: CSRGraph, h: Union[CBSR, Tensor]) -> Tensor:
         dense = h if isinstance(h, Tensor) else h.values
         return torch.sparse.mm(graph.torch_csr(dense.dtype), dense)
     if resolve_backend(h.values) == "numba":
-        from .numba_ops import spgemm
-        return spgemm(graph, h)
+        from .numba_ops import spgemm, supports
+        if supports(h.k, h.dim):  # else too wide for shared memory: torch below
+            return spgemm(graph, h)
     return torch.sparse.mm(graph.torch_csr(h.dtype), h.to_dense())
 
 

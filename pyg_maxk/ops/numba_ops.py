@@ -23,15 +23,16 @@ from ..cbsr import CBSR, index_dtype_for
 from ..graph import CSRGraph, WorkSchedule
 from ..kernels import cuda_module, simulator_enabled
 from ..kernels.maxk_select import ROWS_PER_BLOCK, WARP, scatter_kernel, select_kernel
-from ..kernels.spgemm import spgemm_kernel, sspmm_kernel
+from ..kernels.spgemm import fits_shared_memory, spgemm_kernel, sspmm_kernel
 
-#: Threads of one SpGEMM/SSpMM block (the simulator runs a thread per Python
-#: thread, so it gets the smallest sensible block).
+#: Threads of one SpGEMM/SSpMM block. The kernels work per warp; under the
+#: simulator blocks are one warp (there ``syncthreads`` stands in for
+#: ``syncwarp``).
 THREADS = 128
-SIM_THREADS = 32
-#: Target (edge, slot) pairs per work item: a row with more edges than
-#: ``PAIRS_PER_ITEM // k`` is cut into several items.
-PAIRS_PER_ITEM = 16384
+SIM_THREADS = WARP
+#: Target (edge, slot) pairs per work item (one warp's share): a row with more
+#: edges than ``PAIRS_PER_ITEM // k`` is cut into several items.
+PAIRS_PER_ITEM = 8192
 #: Grid-stride blocks per multiprocessor.
 BLOCKS_PER_SM = 16
 
@@ -224,7 +225,7 @@ def spgemm_op(item_row: Tensor, item_start: Tensor, item_end: Tensor, item_split
         threads = run.threads
         v32 = values.detach().to(KERNEL_DTYPE).contiguous()
         w = weight if weight is not None else item_start  # unread when unweighted
-        blocks = min(num_items, run.max_blocks(values.device, threads))
+        blocks = min(-(-num_items // (threads // WARP)), run.max_blocks(values.device, threads))
         run(spgemm_kernel(dim, k, threads, weight is not None), blocks, threads, values.device,
             item_row, item_start, item_end, item_split, col, w, v32.view(-1),
             indices.contiguous().view(-1), out, num_items)
@@ -250,7 +251,7 @@ def sspmm_op(item_row: Tensor, item_start: Tensor, item_end: Tensor, col: Tensor
         threads = run.threads
         g32 = grad_out.detach().to(KERNEL_DTYPE).contiguous()
         w = weight if weight is not None else item_start  # unread when unweighted
-        blocks = min(num_items, run.max_blocks(grad_out.device, threads))
+        blocks = min(-(-num_items // (threads // WARP)), run.max_blocks(grad_out.device, threads))
         run(sspmm_kernel(dim, k, threads, weight is not None), blocks, threads, grad_out.device,
             item_row, item_start, item_end, col, w, indices.contiguous().view(-1), g32,
             grad_values.view(-1), num_items)
@@ -289,6 +290,12 @@ def kernel_weight(graph: CSRGraph) -> Optional[Tensor]:
     if graph.weight is None:
         return None
     return graph.weight if graph.weight.dtype == KERNEL_DTYPE else graph.weight.to(KERNEL_DTYPE)
+
+
+def supports(k: int, dim: int) -> bool:
+    """Whether the SpGEMM/SSpMM kernels take CBSR features of this shape (their
+    shared-memory rows hold ``dim`` floats per warp)."""
+    return fits_shared_memory(k, dim, launcher().threads // WARP)
 
 
 def spgemm(graph: CSRGraph, h: CBSR) -> Tensor:

@@ -1,0 +1,301 @@
+"""End-to-end training benchmark: full-batch MaxK epochs against stock PyG.
+
+    python benchmarks/train.py                 # Reddit-, products- and Cora-shaped graphs (GPU)
+    python benchmarks/train.py --tiny          # CPU smoke run on a small graph (CI)
+    python benchmarks/train.py --graphs reddit --models sage --k 8,32
+
+For every graph and model (SAGE, GCN, GIN: an input linear map, L convs of
+width 256, an output linear map, Adam) it times one training epoch (forward,
+cross-entropy, backward, optimizer step)
+
+* of the stock PyG model (ReLU) with every stock input form: ``edge_index``,
+  ``EdgeIndex``, a ``torch.sparse`` CSR ``adj_t``, and ``SparseTensor`` when
+  torch_sparse is present (and works on the device);
+* of the stock model on the same nodes with *no edges* (same input form as
+  the CSR run): the time spent outside message passing, from which the
+  Amdahl limit ``stock epoch / outside time`` follows;
+* of the MaxK model (the same model with MaxK convs), after checking that its
+  output matches the ``"torch"`` backend's.
+
+Times are CUDA-event medians after warm-up (``perf_counter`` on the CPU);
+peak memory is ``torch.cuda.max_memory_allocated`` over the timed epochs.
+Writes ``benchmarks/results/train[-tiny].json`` and ``train[-tiny].png``.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Dict, Optional
+
+import torch
+import torch.nn.functional as F
+from torch_geometric.utils import coalesce
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import pyg_maxk  # noqa: E402
+from pyg_maxk import clear_graph_cache  # noqa: E402
+from pyg_maxk.backend import resolve_backend  # noqa: E402
+from pyg_maxk.datasets import PRESETS, power_law_edge_index  # noqa: E402
+from pyg_maxk.nn import MaxKGCN, MaxKGIN, MaxKGraphSAGE  # noqa: E402
+
+from common import RESULTS, environment, rel_error, time_ms, write_json  # noqa: E402
+
+MODELS = {"sage": MaxKGraphSAGE, "gcn": MaxKGCN, "gin": MaxKGIN}
+#: Graph shape and model depth of each workload (the MaxK-GNN paper's models).
+WORKLOADS = {
+    "reddit": ("reddit-like", 4),
+    "products": ("products-like", 3),
+    "cora": ("cora-like", 2),
+}
+FORMS = ("edge_index", "EdgeIndex", "csr", "SparseTensor")
+HIDDEN = 256
+#: Relative tolerance of a whole MaxK model's output against the torch backend.
+MODEL_RTOL = 2e-3
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="small CPU smoke run")
+    p.add_argument("--graphs", default="reddit,products,cora")
+    p.add_argument("--models", default="sage,gcn,gin")
+    p.add_argument("--forms", default=",".join(FORMS), help="stock input forms")
+    p.add_argument("--k", default="32", help="MaxK k values, comma separated")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--device", default=None)
+    p.add_argument("--out", default=str(RESULTS))
+    return p.parse_args(argv)
+
+
+def make_graph(preset: str, device: torch.device, scale: float = 1.0) -> Dict[str, object]:
+    p = PRESETS[preset]
+    n = max(16, int(p.num_nodes * scale))
+    e = max(n, int(p.num_edges * scale))
+    max_deg = None if p.max_degree is None else max(1, min(int(p.max_degree * scale), e // 4))
+    g = torch.Generator(device=device).manual_seed(0)
+    # One graph for every input form: without duplicate edges (which some
+    # stock forms would merge and others not).
+    edge_index = coalesce(power_law_edge_index(n, e, max_degree=max_deg, seed=0, device=device),
+                          num_nodes=n, sort_by_row=False)
+    return {
+        "edge_index": edge_index,
+        "x": torch.randn(n, p.num_features, device=device, generator=g),
+        "y": torch.randint(0, p.num_classes, (n,), device=device, generator=g),
+        "num_nodes": n, "num_classes": p.num_classes,
+    }
+
+
+def adjacency(form: str, edge_index: torch.Tensor, n: int):
+    """The stock input form of ``edge_index`` (sorted by target)."""
+    if form == "edge_index":
+        return edge_index
+    if form == "EdgeIndex":
+        from torch_geometric import EdgeIndex
+        return EdgeIndex(edge_index, sparse_size=(n, n), sort_order="col")
+    src, dst = edge_index
+    if form == "csr":
+        rowptr = torch.ops.aten._convert_indices_from_coo_to_csr(dst, n)
+        ones = torch.ones(src.numel(), device=src.device)
+        return torch.sparse_csr_tensor(rowptr, src, ones, (n, n))
+    if form == "SparseTensor":
+        from torch_sparse import SparseTensor
+        return SparseTensor(row=dst, col=src, sparse_sizes=(n, n), is_sorted=True,
+                            trust_data=True)
+    raise ValueError(form)
+
+
+def epoch_fn(model, opt, x, adj, y):
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x, adj), y)
+        loss.backward()
+        opt.step()
+    return step
+
+
+def time_epoch(model, x, adj, y, device, repeats) -> Dict[str, object]:
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    step = epoch_fn(model, opt, x, adj, y)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    t = time_ms(step, device, warmup=2, repeats=repeats)
+    if device.type == "cuda":
+        t["peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+    return t
+
+
+def guarded(fn, what: str) -> Dict[str, object]:
+    """Run a measurement; out-of-memory and missing ops become a note."""
+    try:
+        return fn()
+    except (torch.cuda.OutOfMemoryError, RuntimeError, ImportError, NotImplementedError) as err:
+        msg = str(err).splitlines()[0][:200]
+        print(f"  {what}: skipped ({type(err).__name__}: {msg})", flush=True)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return {"skipped": f"{type(err).__name__}: {msg}"}
+
+
+def messages_fit(form: str, num_edges: int, device: torch.device) -> Optional[str]:
+    """Why the gather/scatter path would not fit in GPU memory, or None."""
+    if form != "edge_index" or device.type != "cuda":
+        return None
+    need = num_edges * HIDDEN * 4 * 3  # messages, their gradient, the scatter's copy
+    have = torch.cuda.get_device_properties(device).total_memory
+    if need > 0.8 * have:
+        return f"would materialise [E, {HIDDEN}] messages ({need / 1e9:.0f} GB)"
+    return None
+
+
+def check_maxk_output(model, x, adj) -> float:
+    """Relative difference of the MaxK model's output between the active
+    backend and the ``"torch"`` reference backend (same parameters)."""
+    model.eval()
+    with torch.no_grad():
+        out = model(x, adj)
+        with pyg_maxk.use_backend("torch"):
+            ref = model(x, adj)
+    model.train()
+    return rel_error(out, ref)
+
+
+def run_workload(name: str, models, forms, ks, device, repeats, scale) -> Dict[str, object]:
+    preset, layers = WORKLOADS[name]
+    data = make_graph(preset, device, scale)
+    n, ei, x, y = data["num_nodes"], data["edge_index"], data["x"], data["y"]
+    print(f"[{name}] {n} nodes, {ei.size(1)} edges, {x.size(1)} features, "
+          f"{data['num_classes']} classes, {layers} layers x {HIDDEN}", flush=True)
+    empty = torch.empty(2, 0, dtype=torch.long, device=device)
+    result = {"graph": {"preset": preset, "nodes": n, "edges": int(ei.size(1)),
+                        "features": int(x.size(1)), "classes": data["num_classes"],
+                        "layers": layers, "hidden": HIDDEN}, "models": {}}
+    for kind in models:
+        cls = MODELS[kind]
+        entry: Dict[str, object] = {"stock": {}, "maxk": {}}
+
+        def stock_model():
+            torch.manual_seed(0)
+            return cls(x.size(1), HIDDEN, layers, data["num_classes"], k=None).to(device)
+
+        for form in forms:
+            reason = messages_fit(form, ei.size(1), device)
+            if reason:
+                print(f"  {kind} stock {form}: skipped ({reason})", flush=True)
+                entry["stock"][form] = {"skipped": reason}
+                continue
+            entry["stock"][form] = guarded(
+                lambda: time_epoch(stock_model(), x, adjacency(form, ei, n), y, device, repeats),
+                f"{kind} stock {form}")
+            _report(kind, f"stock {form}", entry["stock"][form])
+        entry["stock_outside_mp"] = guarded(
+            lambda: time_epoch(stock_model(), x, adjacency("csr", empty, n), y, device, repeats),
+            f"{kind} stock without edges")
+        _report(kind, "stock, no edges", entry["stock_outside_mp"])
+        for k in ks:
+            torch.manual_seed(0)
+            model = cls(x.size(1), HIDDEN, layers, data["num_classes"], k=k).to(device)
+            clear_graph_cache()
+            err = check_maxk_output(model, x, ei)
+            clear_graph_cache()  # drop the reference backend's torch CSR copy
+            # Summation order differs from cuSPARSE (float32, rows of up to
+            # 60,000 edges), and each layer's MaxK can then pick a different
+            # one of two nearly equal entries: a whole deep model agrees to
+            # ~1e-4, not to rounding (single kernels are checked in kernels.py).
+            assert err < MODEL_RTOL, f"MaxK {kind} k={k}: output differs from torch ({err})"
+            t = guarded(lambda: time_epoch(model, x, ei, y, device, repeats), f"{kind} maxk k={k}")
+            t["rel_error_vs_torch_backend"] = err
+            entry["maxk"][str(k)] = t
+            _report(kind, f"MaxK k={k}", t)
+        summarise(entry)
+        result["models"][kind] = entry
+    del data, ei, x, y
+    clear_graph_cache()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def _report(kind, label, t) -> None:
+    if "median_ms" in t:
+        mem = f", peak {t['peak_gb']:.2f} GB" if "peak_gb" in t else ""
+        print(f"  {kind:5s} {label:22s} {t['median_ms']:10.2f} ms{mem}", flush=True)
+
+
+def summarise(entry) -> None:
+    """Speedups of every MaxK run over every stock form, and the Amdahl limit."""
+    outside = entry["stock_outside_mp"].get("median_ms")
+    for k, m in entry["maxk"].items():
+        if "median_ms" not in m:
+            continue
+        m["speedup"] = {form: s["median_ms"] / m["median_ms"]
+                        for form, s in entry["stock"].items() if "median_ms" in s}
+        if "peak_gb" in m:
+            m["memory_ratio"] = {form: m["peak_gb"] / s["peak_gb"]
+                                 for form, s in entry["stock"].items() if "peak_gb" in s}
+    if outside:
+        entry["amdahl_limit"] = {form: s["median_ms"] / outside
+                                 for form, s in entry["stock"].items() if "median_ms" in s}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.tiny:
+        device = torch.device(args.device or "cpu")
+        graphs, scale, repeats = ["cora"], 1.0, 2
+    else:
+        device = torch.device(args.device or "cuda")
+        graphs, scale, repeats = args.graphs.split(","), 1.0, args.repeats
+    models = args.models.split(",")
+    forms = args.forms.split(",")
+    ks = [int(k) for k in args.k.split(",")]
+    payload = {"benchmark": "train", "environment": environment(device),
+               "backend": resolve_backend(torch.empty(0, device=device)),
+               "workloads": {}}
+    for name in graphs:
+        payload["workloads"][name] = run_workload(name, models, forms, ks, device, repeats, scale)
+    name = "train-tiny" if args.tiny else "train"
+    out_dir = Path(args.out)
+    path = write_json(name, payload, out_dir)
+    plot(payload, out_dir / f"{name}.png")
+    print(f"wrote {path}")
+
+
+def plot(payload, path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover
+        print("matplotlib missing: no plot")
+        return
+    workloads = payload["workloads"]
+    fig, axes = plt.subplots(1, len(workloads), figsize=(5.5 * len(workloads), 4), squeeze=False)
+    for ax, (wname, w) in zip(axes[0], workloads.items()):
+        labels, heights, colors = [], [], []
+        for kind, entry in w["models"].items():
+            for form, s in entry["stock"].items():
+                if "median_ms" in s:
+                    labels.append(f"{kind}\nstock {form}")
+                    heights.append(s["median_ms"])
+                    colors.append("tab:grey")
+            for k, m in entry["maxk"].items():
+                if "median_ms" in m:
+                    labels.append(f"{kind}\nMaxK k={k}")
+                    heights.append(m["median_ms"])
+                    colors.append("tab:blue")
+        ax.bar(range(len(heights)), heights, color=colors)
+        ax.set_xticks(range(len(heights)), labels, rotation=90, fontsize=7)
+        ax.set_yscale("log")
+        ax.set_ylabel("epoch time (ms, log)")
+        ax.set_title(f"{wname}: {w['graph']['nodes']} nodes, {w['graph']['edges']} edges")
+    fig.suptitle(f"pyg-maxk training epochs on {payload['environment'].get('gpu', 'CPU')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
