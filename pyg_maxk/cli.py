@@ -1,118 +1,184 @@
-"""``pyg-maxk``: train a MaxK model on an embedded synthetic graph.
+"""``pyg-maxk``: train MaxK GNNs from the command line.
 
-    pyg-maxk train                      # MaxK GraphSAGE on the default graph
-    pyg-maxk train --compare            # ... and the stock ReLU model, side by side
+    pyg-maxk train                       # MaxK GraphSAGE on the embedded synthetic graph
+    pyg-maxk train --compare             # ... and the stock ReLU model, side by side
+    pyg-maxk train --dataset Cora --root data --model gcn --k 16
+    pyg-maxk train --loader neighbor --fanout 25,10 --batch-size 1024
+    torchrun --nproc_per_node 2 -m pyg_maxk train --loader neighbor --ddp
+
+The default dataset is generated in memory (no files, no network). Real
+datasets are read from --root; PyG/ogb download them there when missing.
 """
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import math
+import sys
 from typing import Dict, List, Optional
 
 import torch
-import torch.nn.functional as F
 
-from .datasets import PRESETS, preset_dataset
+from .datasets import PRESETS, DatasetUnavailable, dataset_names, load_dataset
+from .training import TrainConfig, ddp_context, train_full_batch, train_neighbor
 
 DEFAULT_DATASET = "small"
+
+
+def _fanout(text: str) -> List[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--fanout takes comma-separated integers, got {text!r}")
+    if not values or any(v == 0 or v < -1 for v in values):
+        raise argparse.ArgumentTypeError("--fanout values are positive (or -1: all neighbours)")
+    return values
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pyg-maxk", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train a MaxK model (full batch)")
-    train.add_argument("--model", choices=["sage", "gcn", "gin"], default="sage",
-                       help="conv type (default: sage)")
-    train.add_argument("--k", type=int, default=16, help="MaxK's k (default: 16)")
-    train.add_argument("--hidden", type=int, default=64, help="hidden width (default: 64)")
-    train.add_argument("--layers", type=int, default=2, help="number of convs (default: 2)")
-    train.add_argument("--epochs", type=int, default=50, help="training epochs (default: 50)")
-    train.add_argument("--lr", type=float, default=0.01, help="Adam learning rate")
-    train.add_argument("--dropout", type=float, default=0.2, help="feature dropout")
-    train.add_argument("--dataset", default=DEFAULT_DATASET, choices=sorted(PRESETS),
-                       help=f"synthetic preset, generated in memory (default: {DEFAULT_DATASET})")
-    train.add_argument("--scale", type=float, default=1.0,
-                       help="multiply the preset's nodes and edges (default: 1.0)")
-    train.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                       help="torch device (default: cuda if available, else cpu)")
-    train.add_argument("--seed", type=int, default=0, help="random seed")
-    train.add_argument("--compare", action="store_true",
-                       help="also train the stock-PyG ReLU model and print both")
+    t = sub.add_parser("train", help="train a MaxK model (and optionally the stock one)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    t.add_argument("--model", choices=["sage", "gcn", "gin"], default="sage",
+                   help="conv type: GraphSAGE (mean), GCN or GIN")
+    t.add_argument("--k", type=int, default=16,
+                   help="MaxK's k: features kept per node after each hidden layer")
+    t.add_argument("--hidden", type=int, default=64, help="width of every conv")
+    t.add_argument("--layers", type=int, default=2, help="number of convs")
+    t.add_argument("--epochs", type=int, default=50, help="training epochs")
+    t.add_argument("--lr", type=float, default=0.01, help="Adam learning rate")
+    t.add_argument("--dropout", type=float, default=0.2,
+                   help="feature dropout (on the kept values with MaxK)")
+    t.add_argument("--dataset", default=DEFAULT_DATASET, choices=dataset_names(),
+                   metavar="NAME",
+                   help=f"synthetic preset ({', '.join(sorted(PRESETS))}; generated in "
+                        f"memory) or a real dataset ({', '.join(dataset_names()[len(PRESETS):])})")
+    t.add_argument("--root", default="data",
+                   help="folder of real datasets (PyG/ogb layout); missing files are "
+                        "downloaded there when the network allows")
+    t.add_argument("--scale", type=float, default=1.0,
+                   help="multiply a synthetic preset's nodes and edges")
+    t.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="torch device")
+    t.add_argument("--seed", type=int, default=0,
+                   help="seed of the data generator, the initial weights and sampling")
+    t.add_argument("--compare", action="store_true",
+                   help="also train the stock-PyG ReLU model with the same settings and "
+                        "print a side-by-side table")
+    t.add_argument("--loader", choices=["full", "neighbor"], default="full",
+                   help="full-batch training, or mini-batches from PyG's NeighborLoader")
+    t.add_argument("--fanout", type=_fanout, default=[25, 10],
+                   help="neighbours sampled per hop (one per layer), e.g. 25,10")
+    t.add_argument("--batch-size", type=int, default=1024,
+                   help="seed nodes per mini-batch (--loader neighbor)")
+    t.add_argument("--num-workers", type=int, default=0,
+                   help="NeighborLoader worker processes")
+    t.add_argument("--ddp", action="store_true",
+                   help="data-parallel over the processes torchrun starts (NCCL on GPUs, "
+                        "gloo on CPUs); needs --loader neighbor")
+    t.add_argument("--log-every", type=int, default=0,
+                   help="print loss and validation metric every n epochs (0: ten lines)")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--save-model", metavar="PATH", default=None,
+                   help="save the trained MaxK model's state_dict to PATH (under --ddp "
+                        "every rank writes PATH.rank<r>; the copies are identical)")
     return parser
 
 
-def _model(kind: str, in_channels: int, out_channels: int, args, k: Optional[int]):
-    from .nn import MaxKGCN, MaxKGIN, MaxKGraphSAGE
+def _config(args, device: str) -> TrainConfig:
+    return TrainConfig(model=args.model, k=args.k, hidden=args.hidden, layers=args.layers,
+                       epochs=args.epochs, lr=args.lr, dropout=args.dropout, seed=args.seed,
+                       device=device, fanout=args.fanout, batch_size=args.batch_size,
+                       num_workers=args.num_workers, log_every=args.log_every,
+                       progress=False if args.no_progress else None)
 
-    cls = {"sage": MaxKGraphSAGE, "gcn": MaxKGCN, "gin": MaxKGIN}[kind]
-    return cls(in_channels, args.hidden, args.layers, out_channels, k=k, dropout=args.dropout)
 
-
-def train_once(data, args, k: Optional[int]) -> Dict[str, float]:
-    """Train one model; returns test accuracy, median epoch time and peak memory."""
-    device = torch.device(args.device)
-    torch.manual_seed(args.seed)
-    model = _model(args.model, data.num_features, int(data.num_classes), args, k).to(device)
-    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    label = f"MaxK k={k}" if k is not None else "stock ReLU"
-    epoch_ms: List[float] = []
-    best_val, test_at_best = 0.0, 0.0
-    for epoch in range(1, args.epochs + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        model.train()
-        opt.zero_grad()
-        out = model(data.x, data.edge_index)
-        loss = F.cross_entropy(out[data.train_mask], data.y[data.train_mask])
-        loss.backward()
-        opt.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        epoch_ms.append((time.perf_counter() - start) * 1e3)
-        model.eval()
-        with torch.no_grad():
-            pred = model(data.x, data.edge_index).argmax(-1)
-        val = (pred[data.val_mask] == data.y[data.val_mask]).float().mean().item()
-        test = (pred[data.test_mask] == data.y[data.test_mask]).float().mean().item()
-        if val >= best_val:
-            best_val, test_at_best = val, test
-        if epoch == 1 or epoch % max(1, args.epochs // 10) == 0 or epoch == args.epochs:
-            print(f"[{label}] epoch {epoch:4d}  loss {loss.item():.4f}  val acc {val:.4f}",
-                  flush=True)
-    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else float("nan")
-    # The first epochs compile kernels and build the graph: leave them out.
-    steady = epoch_ms[min(3, len(epoch_ms) - 1):]
-    return {"test_acc": test_at_best, "val_acc": best_val,
-            "epoch_ms": statistics.median(steady), "peak_mib": peak}
+def _check(args) -> Optional[str]:
+    if args.k < 1:
+        return "--k must be at least 1"
+    if args.epochs < 1 or args.layers < 1 or args.hidden < 1:
+        return "--epochs, --layers and --hidden must be at least 1"
+    if args.ddp and args.loader != "neighbor":
+        return "--ddp trains on mini-batches: add --loader neighbor"
+    if args.loader == "neighbor" and len(args.fanout) != args.layers:
+        return (f"--fanout gives {len(args.fanout)} hops but --layers is {args.layers}: "
+                f"give one fanout per layer")
+    return None
 
 
 def train(args) -> int:
-    data = preset_dataset(args.dataset, scale=args.scale, seed=args.seed).to(args.device)
-    print(f"dataset {args.dataset}: {data.num_nodes} nodes, {data.num_edges} edges, "
-          f"{data.num_features} features, {int(data.num_classes)} classes; "
-          f"model {args.model}, {args.layers} layers x {args.hidden}, device {args.device}")
-    results = {"maxk": train_once(data, args, args.k)}
+    problem = _check(args)
+    if problem:
+        print(f"pyg-maxk train: error: {problem}", file=sys.stderr)
+        return 2
+    rank, world, device, all_reduce = 0, 1, args.device, None
+    if args.ddp:
+        rank, world, device, all_reduce = ddp_context(args.device)
+    cfg = _config(args, device)
+    try:
+        task = load_dataset(args.dataset, args.root, scale=args.scale, seed=args.seed)
+    except DatasetUnavailable as err:
+        print(f"pyg-maxk train: error: {err}", file=sys.stderr)
+        return 2
+    main_rank = rank == 0
+    data = task.data
+    if main_rank:
+        print(f"dataset {task.name}: {data.num_nodes} nodes, {data.num_edges} edges, "
+              f"{data.num_features} features, {task.num_classes} "
+              f"{'labels' if task.multilabel else 'classes'}; model {args.model}, "
+              f"{args.layers} layers x {args.hidden}, {args.loader} batch"
+              f"{f', {world} processes' if world > 1 else ''}, device {device}", flush=True)
+
+    def run(k):
+        if args.loader == "neighbor":
+            return train_neighbor(task, cfg, k, main_rank, rank, world, all_reduce)
+        return train_full_batch(task, cfg, k, main_rank)
+
+    results = {"maxk": run(args.k)}
+    if args.save_model:
+        save_model(results["maxk"].model, args.save_model, rank, world)
     if args.compare:
-        results["stock"] = train_once(data, args, None)
-    print()
-    print(f"{'model':<14}{'test acc':>10}{'epoch ms':>12}{'peak MiB':>11}")
-    for name, r in results.items():
-        label = f"MaxK k={args.k}" if name == "maxk" else "stock ReLU"
-        print(f"{label:<14}{r['test_acc']:>10.4f}{r['epoch_ms']:>12.2f}{r['peak_mib']:>11.1f}")
-    m = results["maxk"]
-    if args.compare:
-        s = results["stock"]
-        print(f"summary: MaxK k={args.k} test acc {m['test_acc']:.4f} vs stock {s['test_acc']:.4f}, "
-              f"epoch {m['epoch_ms']:.2f} ms vs {s['epoch_ms']:.2f} ms "
-              f"({s['epoch_ms'] / m['epoch_ms']:.2f}x)")
-    else:
-        print(f"summary: MaxK k={args.k} test acc {m['test_acc']:.4f}, epoch {m['epoch_ms']:.2f} ms")
+        results["stock"] = run(None)
+    if main_rank:
+        print_summary(results, task.metric, args)
     return 0
+
+
+def save_model(model: torch.nn.Module, path: str, rank: int, world: int) -> None:
+    model = getattr(model, "module", model)  # unwrap DistributedDataParallel
+    if world > 1:
+        path = f"{path}.rank{rank}"
+    torch.save(model.state_dict(), path)
+
+
+def print_summary(results: Dict[str, object], metric: str, args) -> None:
+    per_s = args.loader == "neighbor"
+    header = f"{'model':<14}{'test ' + metric:>16}{'epoch ms':>12}{'speedup':>9}{'peak MiB':>11}"
+    if per_s:
+        header += f"{'seeds/s':>11}"
+    print()
+    print(header)
+    stock = results.get("stock")
+    for r in results.values():
+        speedup = stock.epoch_ms / r.epoch_ms if stock is not None else float("nan")
+        line = (f"{r.label:<14}{r.test_metric:>16.4f}{r.epoch_ms:>12.2f}"
+                f"{_fmt(speedup, '{:.2f}x'):>9}{_fmt(r.peak_mib, '{:.1f}'):>11}")
+        if per_s:
+            line += f"{r.seeds_per_s:>11.0f}"
+        print(line)
+    m = results["maxk"]
+    if stock is not None:
+        print(f"summary: MaxK k={args.k} test {metric} {m.test_metric:.4f} vs stock "
+              f"{stock.test_metric:.4f}, epoch {m.epoch_ms:.2f} ms vs {stock.epoch_ms:.2f} ms "
+              f"({stock.epoch_ms / m.epoch_ms:.2f}x)")
+    else:
+        print(f"summary: MaxK k={args.k} test {metric} {m.test_metric:.4f}, "
+              f"epoch {m.epoch_ms:.2f} ms")
+
+
+def _fmt(value: float, pattern: str) -> str:
+    return "-" if math.isnan(value) else pattern.format(value)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -125,3 +125,109 @@ def preset_dataset(name: str, *, scale: float = 1.0, seed: int = 0, **kwargs):
                                                               num_edges // 4))
     return synthetic_node_dataset(num_nodes, num_edges, p.num_features, p.num_classes,
                                   max_degree=max_degree, seed=seed, **kwargs)
+
+
+# ------------------------------------------------------------- real datasets
+@dataclass
+class NodeTask:
+    """A node-classification task: the graph, its splits and how it is scored.
+
+    ``data`` holds ``x [N, F]``, ``edge_index [2, E]``, ``y`` (``[N]`` class
+    ids, or ``[N, C]`` 0/1 targets when ``multilabel``) and boolean
+    ``train_mask``/``val_mask``/``test_mask``. ``metric`` is ``"accuracy"``,
+    ``"rocauc"`` (ogbn-proteins, scored by ogb's ``Evaluator``) or
+    ``"f1_micro"`` (Yelp).
+    """
+    name: str
+    data: object
+    num_classes: int
+    multilabel: bool = False
+    metric: str = "accuracy"
+    ogb_name: Optional[str] = None
+
+
+PLANETOID = ("Cora", "CiteSeer", "PubMed")
+PYG_DATASETS = ("Reddit", "Flickr", "Yelp")
+OGB_DATASETS = ("ogbn-arxiv", "ogbn-products", "ogbn-proteins")
+
+
+def dataset_names() -> list:
+    """Every name :func:`load_dataset` accepts."""
+    return sorted(PRESETS) + list(PLANETOID) + list(PYG_DATASETS) + list(OGB_DATASETS)
+
+
+class DatasetUnavailable(RuntimeError):
+    """A dataset that is neither on disk nor downloadable here."""
+
+
+def _unavailable(name: str, where: str, err: Exception) -> DatasetUnavailable:
+    return DatasetUnavailable(
+        f"Could not load {name}: its files are not under {where} and downloading them "
+        f"failed ({type(err).__name__}: {err}). Without network, put the dataset's raw "
+        f"files in {where} (as PyG/ogb lay them out) and pass that folder's parent as "
+        f"--root, or use a synthetic preset (--dataset {'/'.join(sorted(PRESETS))}).")
+
+
+def load_dataset(name: str, root: str = "data", *, scale: float = 1.0, seed: int = 0) -> NodeTask:
+    """Load ``name`` as a :class:`NodeTask`.
+
+    Synthetic presets are generated in memory (``scale`` multiplies their size;
+    ``seed`` fixes them). Planetoid datasets are read from ``root/<name>``,
+    Reddit/Flickr/Yelp from ``root/<name>`` and ogbn-* from ``root`` (ogb's
+    layout); PyG/ogb download them there when the files are missing and the
+    network allows, otherwise :class:`DatasetUnavailable` says where to put them.
+    """
+    import os
+
+    if name in PRESETS:
+        data = preset_dataset(name, scale=scale, seed=seed)
+        return NodeTask(name, data, PRESETS[name].num_classes)
+    if name in PLANETOID:
+        from torch_geometric.datasets import Planetoid
+        where = os.path.join(root, name)
+        try:
+            data = Planetoid(root, name)[0]
+        except (OSError, ValueError) as err:  # URLError is an OSError
+            raise _unavailable(name, os.path.join(where, "raw"), err) from err
+        return NodeTask(name, data, int(data.y.max()) + 1)
+    if name in PYG_DATASETS:
+        import torch_geometric.datasets as pyg_datasets
+        where = os.path.join(root, name)
+        try:
+            data = getattr(pyg_datasets, name)(where)[0]
+        except (OSError, ValueError) as err:
+            raise _unavailable(name, os.path.join(where, "raw"), err) from err
+        if name == "Yelp":  # 100 binary labels per node
+            return NodeTask(name, data, data.y.size(1), multilabel=True, metric="f1_micro")
+        return NodeTask(name, data, int(data.y.max()) + 1)
+    if name in OGB_DATASETS:
+        return _load_ogb(name, root)
+    raise ValueError(f"Unknown dataset {name!r}; choose one of {dataset_names()}")
+
+
+def _load_ogb(name: str, root: str) -> NodeTask:
+    import os
+
+    from ogb.nodeproppred import PygNodePropPredDataset
+
+    where = os.path.join(root, name.replace("-", "_"))
+    try:
+        dataset = PygNodePropPredDataset(name, root=root)
+    except (OSError, ValueError) as err:
+        raise _unavailable(name, os.path.join(where, "raw"), err) from err
+    data = dataset[0]
+    split = dataset.get_idx_split()
+    for key, mask_name in (("train", "train_mask"), ("valid", "val_mask"), ("test", "test_mask")):
+        mask = torch.zeros(data.num_nodes, dtype=torch.bool)
+        mask[split[key]] = True
+        data[mask_name] = mask
+    if name == "ogbn-proteins":
+        # No node features: use the mean of each node's incoming edge features.
+        from torch_geometric.utils import scatter
+        data.x = scatter(data.edge_attr, data.edge_index[1], dim=0,
+                         dim_size=data.num_nodes, reduce="mean")
+        data.edge_attr = None
+        return NodeTask(name, data, data.y.size(1), multilabel=True, metric="rocauc",
+                        ogb_name=name)
+    data.y = data.y.view(-1)
+    return NodeTask(name, data, int(data.y.max()) + 1, ogb_name=name)

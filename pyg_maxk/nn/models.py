@@ -5,7 +5,7 @@ a subclass only says how to make one conv.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -79,19 +79,57 @@ class MaxKBasicGNN(torch.nn.Module):
         if self.lin_out is not None:
             self.lin_out.reset_parameters()
 
-    def forward(self, x: Tensor, edge_index: Adj, edge_weight: OptTensor = None) -> Tensor:
-        """``x [N, in_channels]`` to ``[N, out_channels]``."""
+    def forward(self, x: Tensor, edge_index: Adj, edge_weight: OptTensor = None, *,
+                num_sampled_nodes_per_hop: Optional[List[int]] = None,
+                num_sampled_edges_per_hop: Optional[List[int]] = None) -> Tensor:
+        """``x [N, in_channels]`` to ``[N, out_channels]``.
+
+        With the per-hop counts of a :class:`~torch_geometric.loader.NeighborLoader`
+        batch (``batch.num_sampled_nodes``/``batch.num_sampled_edges``; needs
+        an ``edge_index`` tensor), layer ``l`` only computes the nodes that
+        later layers still need: its targets are the nodes of the first
+        ``L - l`` hops, its sources one hop more, and the last layer's
+        targets are the seed nodes alone: the output then has
+        ``batch_size`` rows (GCN: see :attr:`trims_to_hops`).
+        """
+        trim = num_sampled_nodes_per_hop is not None and self.trims_to_hops
+        if trim and num_sampled_edges_per_hop is None:
+            raise ValueError("num_sampled_edges_per_hop is needed with num_sampled_nodes_per_hop")
         x = self.lin_in(x)
-        for conv in self.convs:
+        for layer, conv in enumerate(self.convs):
             if not self.is_maxk:  # the stock baseline: ReLU + dropout
                 x = F.dropout(x.relu(), p=self.dropout, training=self.training)
-            if self.supports_edge_weight:
-                x = conv(x, edge_index, edge_weight)
+            if trim:
+                x, adj, weight, num_dst = self._hop_slice(
+                    layer, x, edge_index, edge_weight, num_sampled_nodes_per_hop,
+                    num_sampled_edges_per_hop)
+                x = self._conv(conv, (x, x[:num_dst]), adj, weight, (x.size(0), num_dst))
             else:
-                x = conv(x, edge_index)
+                x = self._conv(conv, x, edge_index, edge_weight, None)
         if self.lin_out is not None:
             x = self.lin_out(x)
         return x
+
+    #: Whether per-hop counts shrink the layers. GCN ignores them: its edge
+    #: normalisation needs every source's degree in the whole sampled graph,
+    #: which the trimmed graph of a layer no longer has.
+    trims_to_hops: bool = True
+
+    def _conv(self, conv, x, adj, edge_weight, size):
+        args = (x, adj, edge_weight) if self.supports_edge_weight else (x, adj)
+        return conv(*args) if size is None else conv(*args, size=size)
+
+    def _hop_slice(self, layer, x, edge_index, edge_weight, nodes, edges):
+        """The sources, edges and target count of layer ``layer`` of a sampled
+        batch (nodes and edges are ordered by hop)."""
+        if not isinstance(edge_index, Tensor) or edge_index.is_sparse:
+            raise ValueError("per-hop trimming needs edge_index as a [2, E] tensor")
+        hops = self.num_layers - layer          # hops of sources this layer reads
+        num_src = sum(nodes[:hops + 1])
+        num_dst = sum(nodes[:hops])
+        num_edges = sum(edges[:hops])
+        weight = edge_weight[:num_edges] if edge_weight is not None else None
+        return x[:num_src], edge_index[:, :num_edges], weight, num_dst
 
     def __repr__(self) -> str:
         kind = f"k={self.k}" if self.is_maxk else "stock ReLU"
@@ -111,6 +149,7 @@ class MaxKGraphSAGE(MaxKBasicGNN):
 class MaxKGCN(MaxKBasicGNN):
     """GCN with MaxK (:class:`MaxKGCNConv`); see :class:`MaxKBasicGNN`."""
     supports_edge_weight = True
+    trims_to_hops = False
 
     def init_conv(self, in_channels: int, out_channels: int, **kwargs: Any) -> torch.nn.Module:
         if self.is_maxk:

@@ -1,0 +1,337 @@
+"""Training loops behind ``pyg-maxk train``: full batch, NeighborLoader
+mini-batches, and data-parallel (DDP) mini-batches under ``torchrun``.
+
+Each loop trains one model (MaxK, or the stock ReLU baseline with ``k=None``)
+and returns a :class:`RunResult`; the CLI prints and compares them.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .datasets import NodeTask
+from .nn import MaxKGCN, MaxKGIN, MaxKGraphSAGE
+
+MODELS = {"sage": MaxKGraphSAGE, "gcn": MaxKGCN, "gin": MaxKGIN}
+
+
+@dataclass
+class TrainConfig:
+    model: str = "sage"
+    k: Optional[int] = 32
+    hidden: int = 256
+    layers: int = 2
+    epochs: int = 50
+    lr: float = 0.01
+    dropout: float = 0.2
+    seed: int = 0
+    device: str = "cpu"
+    fanout: List[int] = field(default_factory=lambda: [25, 10])
+    batch_size: int = 1024
+    num_workers: int = 0
+    log_every: int = 0          # print a line every n epochs (0: ~10 lines per run)
+    progress: Optional[bool] = None  # tqdm bar; None: only on a terminal
+
+
+@dataclass
+class RunResult:
+    label: str
+    test_metric: float
+    val_metric: float
+    epoch_ms: float
+    peak_mib: float
+    losses: List[float]
+    seeds_per_s: Optional[float] = None
+    model: Optional[torch.nn.Module] = field(default=None, repr=False)
+
+    def as_dict(self) -> Dict[str, object]:
+        return {k: v for k, v in self.__dict__.items() if k != "model"}
+
+
+def build_model(cfg: TrainConfig, in_channels: int, out_channels: int,
+                k: Optional[int]) -> torch.nn.Module:
+    """The MaxK model (``k`` an int) or the stock ReLU model (``k=None``)."""
+    if cfg.model not in MODELS:
+        raise ValueError(f"Unknown model {cfg.model!r}; choose one of {sorted(MODELS)}")
+    return MODELS[cfg.model](in_channels, cfg.hidden, cfg.layers, out_channels, k=k,
+                             dropout=cfg.dropout)
+
+
+def seed_everything(seed: int) -> None:
+    import random
+
+    import numpy as np
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+# ------------------------------------------------------------------ metrics
+def loss_fn(task: NodeTask, out: Tensor, y: Tensor) -> Tensor:
+    if task.multilabel:
+        return F.binary_cross_entropy_with_logits(out, y.float())
+    return F.cross_entropy(out, y)
+
+
+def score(task: NodeTask, out: Tensor, y: Tensor) -> float:
+    """The task's metric of logits ``out`` against targets ``y``."""
+    if y.numel() == 0:
+        return float("nan")
+    if task.metric == "rocauc":
+        from ogb.nodeproppred import Evaluator
+        return float(Evaluator(task.ogb_name).eval(
+            {"y_true": y.cpu(), "y_pred": out.detach().cpu()})["rocauc"])
+    if task.metric == "f1_micro":
+        pred, true = out > 0, y > 0.5
+        tp = (pred & true).sum().item()
+        denom = pred.sum().item() + true.sum().item()
+        return 2 * tp / denom if denom else 0.0
+    if task.ogb_name is not None:
+        from ogb.nodeproppred import Evaluator
+        return float(Evaluator(task.ogb_name).eval(
+            {"y_true": y.view(-1, 1).cpu(),
+             "y_pred": out.argmax(-1, keepdim=True).cpu()})["acc"])
+    return (out.argmax(-1) == y).float().mean().item()
+
+
+# ---------------------------------------------------------------- progress
+class Progress:
+    """A tqdm bar per run (on a terminal) plus a log line every few epochs."""
+
+    def __init__(self, label: str, epochs: int, cfg: TrainConfig, enabled: bool = True) -> None:
+        self.label = label
+        self.enabled = enabled
+        self.every = cfg.log_every or max(1, epochs // 10)
+        self.epochs = epochs
+        self.bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+            # disable=None: tqdm shows the bar on a terminal only.
+            disable = True if cfg.progress is False else (None if cfg.progress is None else False)
+            self.bar = tqdm(total=epochs, desc=label, unit="epoch", leave=False, disable=disable)
+
+    def update(self, epoch: int, loss: float, val: float, metric: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.4f}", val=f"{val:.4f}")
+            self.bar.update(1)
+        if epoch == 1 or epoch % self.every == 0 or epoch == self.epochs:
+            line = f"[{self.label}] epoch {epoch:4d}  loss {loss:.4f}  val {metric} {val:.4f}"
+            if self.bar is not None:
+                self.bar.write(line)
+            else:  # pragma: no cover
+                print(line, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _label(k: Optional[int]) -> str:
+    return f"MaxK k={k}" if k is not None else "stock ReLU"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak_mib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return float("nan")
+
+
+def _steady(times: List[float]) -> float:
+    """Median epoch time without the first epochs (kernel compilation, graph
+    build, allocator warm-up)."""
+    return statistics.median(times[min(3, len(times) - 1):])
+
+
+# -------------------------------------------------------------- full batch
+def train_full_batch(task: NodeTask, cfg: TrainConfig, k: Optional[int],
+                     verbose: bool = True) -> RunResult:
+    device = torch.device(cfg.device)
+    data = task.data.to(device)
+    seed_everything(cfg.seed)
+    model = build_model(cfg, data.num_features, task.num_classes, k).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    progress = Progress(_label(k), cfg.epochs, cfg, verbose)
+    times, losses = [], []
+    best_val, test_at_best = -1.0, 0.0
+    for epoch in range(1, cfg.epochs + 1):
+        _sync(device)
+        start = time.perf_counter()
+        model.train()
+        opt.zero_grad(set_to_none=True)
+        out = model(data.x, data.edge_index)
+        loss = loss_fn(task, out[data.train_mask], data.y[data.train_mask])
+        loss.backward()
+        opt.step()
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+        model.eval()
+        with torch.no_grad():
+            out = model(data.x, data.edge_index)
+        val = score(task, out[data.val_mask], data.y[data.val_mask])
+        if val > best_val:
+            best_val = val
+            test_at_best = score(task, out[data.test_mask], data.y[data.test_mask])
+        losses.append(loss.item())
+        progress.update(epoch, losses[-1], val, task.metric)
+    progress.close()
+    return RunResult(_label(k), test_at_best, best_val, _steady(times), _peak_mib(device), losses,
+                     model=model)
+
+
+# -------------------------------------------------------------- mini-batch
+def neighbor_loader(data, seeds: Tensor, cfg: TrainConfig, shuffle: bool,
+                    generator: Optional[torch.Generator] = None):
+    """PyG's NeighborLoader over ``seeds`` with ``cfg.fanout`` per hop (the
+    first entry is the hop next to the seeds); batches carry per-hop node and
+    edge counts, which the models use to shrink each layer to its targets."""
+    from torch_geometric.loader import NeighborLoader
+
+    if len(cfg.fanout) != cfg.layers:
+        raise ValueError(f"--fanout has {len(cfg.fanout)} hops but the model has "
+                         f"{cfg.layers} layers; give one fanout per layer")
+    return NeighborLoader(data, num_neighbors=list(cfg.fanout), input_nodes=seeds,
+                          batch_size=cfg.batch_size, shuffle=shuffle,
+                          num_workers=cfg.num_workers, generator=generator)
+
+
+def _batch_forward(model, batch, device):
+    """The seed nodes' outputs and targets. With pyg-lib's sampler the batch
+    has per-hop counts and every layer shrinks to the nodes still needed;
+    torch_sparse's sampler gives none, and the model then runs on the whole
+    sampled subgraph (the seeds' outputs are the same, with more work)."""
+    batch = batch.to(device, non_blocking=True)
+    nodes = getattr(batch, "num_sampled_nodes", None)
+    edges = getattr(batch, "num_sampled_edges", None)
+    if nodes is not None and edges is not None:
+        out = model(batch.x, batch.edge_index, num_sampled_nodes_per_hop=nodes,
+                    num_sampled_edges_per_hop=edges)
+    else:
+        out = model(batch.x, batch.edge_index)
+    return out[:batch.batch_size], batch.y[:batch.batch_size]
+
+
+def train_neighbor(task: NodeTask, cfg: TrainConfig, k: Optional[int], verbose: bool = True,
+                   rank: int = 0, world_size: int = 1,
+                   all_reduce: Optional[Callable[[Tensor], Tensor]] = None) -> RunResult:
+    """Mini-batch training with NeighborLoader. Under DDP (``world_size > 1``)
+    every rank takes an equal share of the training seeds, its model is
+    wrapped in DistributedDataParallel, and metrics are summed over ranks."""
+    device = torch.device(cfg.device)
+    data = task.data
+    seed_everything(cfg.seed)
+    model = build_model(cfg, data.num_features, task.num_classes, k).to(device)
+    if world_size > 1:
+        from torch.nn.parallel import DistributedDataParallel
+        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
+                                        else None)
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    train_seeds = _share(data.train_mask.nonzero().view(-1), rank, world_size)
+    generator = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
+    loader = neighbor_loader(data, train_seeds, cfg, shuffle=True, generator=generator)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    progress = Progress(_label(k), cfg.epochs, cfg, verbose)
+    times, losses = [], []
+    best_val, test_at_best = -1.0, 0.0
+    for epoch in range(1, cfg.epochs + 1):
+        model.train()
+        _sync(device)
+        start = time.perf_counter()
+        total, count = 0.0, 0
+        for batch in loader:
+            opt.zero_grad(set_to_none=True)
+            out, y = _batch_forward(model, batch, device)
+            loss = loss_fn(task, out, y)
+            loss.backward()
+            opt.step()
+            total += loss.detach() * y.size(0)
+            count += y.size(0)
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+        stats = torch.stack([torch.as_tensor(total, dtype=torch.float64).cpu(),
+                             torch.tensor(float(count), dtype=torch.float64)])
+        if all_reduce is not None:
+            stats = all_reduce(stats)
+        losses.append(float(stats[0] / stats[1]))
+        val, test = _evaluate(model, task, cfg, device, rank, world_size, all_reduce)
+        if val > best_val:
+            best_val, test_at_best = val, test
+        progress.update(epoch, losses[-1], val, task.metric)
+    progress.close()
+    epoch_ms = _steady(times)
+    seeds = train_seeds.numel() * world_size
+    return RunResult(_label(k), test_at_best, best_val, epoch_ms, _peak_mib(device), losses,
+                     seeds_per_s=seeds / (epoch_ms / 1e3), model=model)
+
+
+def _share(seeds: Tensor, rank: int, world_size: int) -> Tensor:
+    """Rank ``rank``'s share of ``seeds``; every rank gets the same number
+    (DDP needs the same number of steps on every rank)."""
+    per_rank = seeds.numel() // world_size
+    return seeds[rank * per_rank:(rank + 1) * per_rank]
+
+
+@torch.no_grad()
+def _evaluate(model, task, cfg, device, rank, world_size, all_reduce):
+    """Validation and test metric with the training fanout. Accuracy is
+    summed exactly over ranks; other metrics are averaged over ranks."""
+    model.eval()
+    results = []
+    for mask in (task.data.val_mask, task.data.test_mask):
+        seeds = _share(mask.nonzero().view(-1), rank, world_size)
+        outs, ys = [], []
+        for batch in neighbor_loader(task.data, seeds, cfg, shuffle=False):
+            out, y = _batch_forward(model, batch, device)
+            outs.append(out.float())
+            ys.append(y)
+        out = torch.cat(outs) if outs else torch.empty(0, task.num_classes)
+        y = torch.cat(ys) if ys else torch.empty(0, dtype=torch.long)
+        value = torch.tensor([score(task, out, y) * y.size(0), float(y.size(0))],
+                             dtype=torch.float64)
+        if all_reduce is not None:
+            value = all_reduce(value)
+        results.append(float(value[0] / value[1]) if value[1] > 0 else float("nan"))
+    return results[0], results[1]
+
+
+# -------------------------------------------------------------------- DDP
+def ddp_context(device: str):
+    """Join the process group ``torchrun`` set up: NCCL on GPUs (one per local
+    rank), gloo on CPUs. Returns ``(rank, world_size, device, all_reduce)``."""
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ:
+        raise RuntimeError("--ddp needs torchrun: torchrun --nproc_per_node N -m pyg_maxk "
+                           "train --loader neighbor --ddp ...")
+    use_cuda = device.startswith("cuda") and torch.cuda.is_available()
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if use_cuda:
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    comm_device = torch.device(device) if use_cuda else torch.device("cpu")
+
+    def all_reduce(t: Tensor) -> Tensor:
+        t = t.to(comm_device)
+        dist.all_reduce(t)
+        return t.cpu()
+
+    return rank, world, device, all_reduce

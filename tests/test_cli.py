@@ -1,0 +1,70 @@
+"""The ``pyg-maxk`` command line: every flag documented, datasets offline,
+errors that say what to do."""
+import shutil
+from pathlib import Path
+
+import pytest
+
+from pyg_maxk.cli import build_parser, main
+
+SHARED_PLANETOID = Path(__file__).resolve().parents[2] / "shared" / "data" / "planetoid"
+
+
+def train_help() -> str:
+    sub = build_parser()._subparsers._group_actions[0].choices["train"]
+    return sub.format_help()
+
+
+def test_help_explains_every_flag():
+    sub = build_parser()._subparsers._group_actions[0].choices["train"]
+    for action in sub._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.help and len(action.help) > 10, action.option_strings
+    text = train_help()
+    for flag in ("--model", "--k", "--hidden", "--layers", "--epochs", "--lr", "--dropout",
+                 "--dataset", "--root", "--device", "--seed", "--compare", "--loader",
+                 "--fanout", "--batch-size", "--ddp"):
+        assert flag in text
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--ddp"], "--loader neighbor"),
+    (["--loader", "neighbor", "--fanout", "5,5,5"], "one fanout per layer"),
+    (["--k", "0"], "--k must be"),
+])
+def test_bad_arguments_say_what_to_do(argv, message, capsys):
+    assert main(["train", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_missing_dataset_without_network_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    from torch_geometric.datasets import Planetoid
+
+    def offline(self):  # what a download does without network (tests never download)
+        raise OSError("network unreachable")
+
+    monkeypatch.setattr(Planetoid, "download", offline)
+    assert main(["train", "--dataset", "CiteSeer", "--root", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "network unreachable" in err and str(tmp_path / "CiteSeer" / "raw") in err
+
+
+@pytest.mark.skipif(not SHARED_PLANETOID.exists(), reason="no Planetoid files in ../shared")
+def test_planetoid_from_root(tmp_path, capsys):
+    shutil.copytree(SHARED_PLANETOID / "Cora", tmp_path / "Cora")
+    assert main(["train", "--dataset", "Cora", "--root", str(tmp_path), "--epochs", "3",
+                 "--hidden", "16", "--compare", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "dataset Cora: 2708 nodes" in out
+    assert out.strip().splitlines()[-1].startswith("summary: MaxK k=16 test accuracy")
+
+
+def test_seeded_runs_reproduce(capsys):
+    argv = ["train", "--epochs", "3", "--dataset", "small", "--scale", "0.2", "--hidden", "16",
+            "--no-progress"]
+    main(argv)
+    first = capsys.readouterr().out.splitlines()
+    main(argv)
+    second = capsys.readouterr().out.splitlines()
+    strip = [line for line in first if "loss" in line]
+    assert strip and strip == [line for line in second if "loss" in line]
