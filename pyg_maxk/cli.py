@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--layers", type=int, default=2, help="number of convs")
     t.add_argument("--epochs", type=int, default=50, help="training epochs")
     t.add_argument("--lr", type=float, default=0.01, help="Adam learning rate")
+    t.add_argument("--weight-decay", type=float, default=0.0, help="Adam weight decay (L2)")
     t.add_argument("--dropout", type=float, default=0.2,
                    help="feature dropout (on the kept values with MaxK)")
     t.add_argument("--dataset", default=DEFAULT_DATASET, choices=dataset_names(),
@@ -88,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _config(args, device: str) -> TrainConfig:
     return TrainConfig(model=args.model, k=args.k, hidden=args.hidden, layers=args.layers,
-                       epochs=args.epochs, lr=args.lr, dropout=args.dropout, seed=args.seed,
+                       epochs=args.epochs, lr=args.lr, weight_decay=args.weight_decay, dropout=args.dropout, seed=args.seed,
                        device=device, fanout=args.fanout, batch_size=args.batch_size,
                        num_workers=args.num_workers, log_every=args.log_every,
                        progress=False if args.no_progress else None)

@@ -228,10 +228,17 @@ class CSRGraph:
         edge_index = _plain(edge_index)
         num_src, num_dst = size
         src, dst = edge_index[0], edge_index[1]
-        _check_range(src, num_src, "source")
-        _check_range(dst, num_dst, "target")
+        is_sorted = True
+        if dst.numel() > 0:
+            # One host sync for the range checks and the sortedness test (this
+            # runs per mini-batch, on the GPU).
+            lo_src, hi_src, lo_dst, hi_dst, is_sorted = torch.stack([
+                src.min(), src.max(), dst.min(), dst.max(),
+                (dst[1:] >= dst[:-1]).all().to(src.dtype)]).tolist()
+            _check_bounds(lo_src, hi_src, num_src, "source")
+            _check_bounds(lo_dst, hi_dst, num_dst, "target")
         perm = None
-        if dst.numel() > 1 and not bool((dst[1:] >= dst[:-1]).all()):
+        if not is_sorted:
             dst, perm = torch.sort(dst, stable=True)
             src = src[perm]
         counts = torch.bincount(dst, minlength=num_dst) if dst.numel() else \
@@ -305,10 +312,7 @@ def _plain(t: Tensor) -> Tensor:
     return t.as_tensor() if _is_edge_index_type(t) else t
 
 
-def _check_range(index: Tensor, bound: int, what: str) -> None:
-    if index.numel() == 0:
-        return
-    lo, hi = int(index.min()), int(index.max())
+def _check_bounds(lo: int, hi: int, bound: int, what: str) -> None:
     if lo < 0 or hi >= bound:
         raise IndexError(f"edge_index holds {what} node {lo if lo < 0 else hi}, "
                          f"outside [0, {bound}) for {bound} {what} nodes")

@@ -30,6 +30,7 @@ class TrainConfig:
     layers: int = 2
     epochs: int = 50
     lr: float = 0.01
+    weight_decay: float = 0.0
     dropout: float = 0.2
     seed: int = 0
     device: str = "cpu"
@@ -163,7 +164,7 @@ def train_full_batch(task: NodeTask, cfg: TrainConfig, k: Optional[int],
     data = task.data.to(device)
     seed_everything(cfg.seed)
     model = build_model(cfg, data.num_features, task.num_classes, k).to(device)
-    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     progress = Progress(_label(k), cfg.epochs, cfg, verbose)
@@ -240,7 +241,7 @@ def train_neighbor(task: NodeTask, cfg: TrainConfig, k: Optional[int], verbose: 
         from torch.nn.parallel import DistributedDataParallel
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
                                         else None)
-    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     train_seeds = _share(data.train_mask.nonzero().view(-1), rank, world_size)
     generator = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
     loader = neighbor_loader(data, train_seeds, cfg, shuffle=True, generator=generator)

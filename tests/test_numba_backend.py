@@ -45,10 +45,12 @@ def assert_same_selection(h: CBSR, x: torch.Tensor, k: int) -> None:
     cols = h.indices.long()
     torch.testing.assert_close(x.gather(1, cols), values, rtol=0, atol=0)
     assert (cols.sort(1).values.diff(dim=1) > 0).all(), "a column was picked twice"
-    equal_next = values[:, 1:] == values[:, :-1]
-    tied = torch.zeros_like(values, dtype=torch.bool)
-    tied[:, 1:] |= equal_next
-    tied[:, :-1] |= equal_next
+    # A kept value that occurs more than once in its row (kept or not; -0.0
+    # equals 0.0) may sit at any of its columns.
+    row_sorted = x.sort(dim=1).values
+    occurrences = (torch.searchsorted(row_sorted, values.contiguous(), right=True)
+                   - torch.searchsorted(row_sorted, values.contiguous(), right=False))
+    tied = occurrences > 1
     assert torch.equal(cols[~tied], idx[~tied])
 
 
@@ -138,6 +140,25 @@ def test_maxk_select_matches_topk(dim, k):
     g = torch.randn_like(h.values)
     h.values.backward(g)
     torch.testing.assert_close(x.grad, torch.zeros_like(x).scatter(1, idx, g))
+
+
+@pytest.mark.parametrize("k", [1, 20, 69])
+def test_maxk_select_many_ties_negatives_and_signed_zeros(k):
+    # Few distinct values: the k-th largest is tied across lanes and slots.
+    g = torch.Generator().manual_seed(k)
+    x = torch.randint(-2, 2, (9, 70), generator=g).float()
+    x[x == 0] = torch.where(torch.rand(int((x == 0).sum()), generator=g) < 0.5, 0.0, -0.0)
+    x = x.to(DEVICE)
+    h = kernel_maxk(x, k)
+    assert_same_selection(h, x, k)
+    # Ties keep the lowest columns: among entries equal to the k-th value,
+    # exactly the first ones (in column order) are picked.
+    kth = h.values[:, -1:]
+    cols = h.indices.long()
+    for r in range(x.size(0)):
+        tied = (x[r] == kth[r]).nonzero().view(-1)
+        picked = cols[r][h.values[r] == kth[r]].sort().values
+        assert torch.equal(picked, tied[:picked.numel()])
 
 
 def test_maxk_select_ties_and_nan():

@@ -21,7 +21,7 @@ from ._numba import cuda_module, simulator_enabled
 cuda = cuda_module()
 from numba import float32, int32  # noqa: E402 (after the numpy shim)
 
-WARP = 32
+from ._warp import WARP  # noqa: E402
 ROWS_PER_BLOCK = 4
 
 

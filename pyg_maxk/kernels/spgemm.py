@@ -38,22 +38,21 @@ load), then the loads of ``UNROLL`` neighbours are issued before their
 updates. The CBSR arrays are passed flattened (``[N * k]``) and indexed with
 uint32 arithmetic (no negative-index wraparound code).
 
-Numba's simulator has no ``syncwarp``: there the launcher uses one-warp
-blocks and the kernels use ``syncthreads`` in its place (same semantics for a
-one-warp block; every loop bound below is warp-uniform, so every lane reaches
-every barrier).
+Lanes synchronise with :func:`~._warp.warp_sync` (``syncwarp``; in Numba's
+simulator ``syncthreads`` on one-warp blocks), so every loop bound below is
+warp-uniform.
 """
 from __future__ import annotations
 
 import functools
 
-from ._numba import cuda_module, simulator_enabled
+from ._numba import cuda_module
+from ._warp import WARP, warp_sync
 
 # Module-level name `cuda`: Numba's simulator swaps exactly this global.
 cuda = cuda_module()
 from numba import float32, uint32  # noqa: E402 (after the numpy shim)
 
-WARP = 32
 #: Neighbours whose loads a lane issues before it applies their updates.
 UNROLL = 4
 #: Static shared memory a kernel may use (the CUDA default per block).
@@ -73,19 +72,6 @@ def fits_shared_memory(k: int, dim: int, warps: int) -> bool:
     return lane_groups(k, dim, warps) >= 1
 
 
-@functools.lru_cache(maxsize=None)
-def _warp_sync():
-    if simulator_enabled():
-        @cuda.jit(device=True, inline=True)
-        def sync():
-            cuda.syncthreads()  # launched with one-warp blocks
-    else:
-        @cuda.jit(device=True, inline=True)
-        def sync():
-            cuda.syncwarp()
-    return sync
-
-
 def _layout(k: int, groups: int):
     """(lanes per group, active lanes, slot chunks per lane)."""
     lanes = min(k, WARP)
@@ -101,7 +87,7 @@ def spgemm_kernel(dim: int, k: int, threads: int, weighted: bool):
         raise ValueError(f"dim={dim} is too wide for the SpGEMM kernel's shared memory")
     lanes, active_lanes, chunks = _layout(k, groups)
     kk = uint32(k)
-    sync = _warp_sync()
+    sync = warp_sync()
 
     @cuda.jit
     def spgemm(item_row, item_start, item_end, item_split, col, weight,
@@ -204,7 +190,7 @@ def sspmm_kernel(dim: int, k: int, threads: int, weighted: bool):
     groups = max(1, WARP // k)
     lanes, active_lanes, chunks = _layout(k, groups)
     kk = uint32(k)
-    sync = _warp_sync()
+    sync = warp_sync()
 
     @cuda.jit
     def sspmm(item_row, item_start, item_end, col, weight, indices, grad_out,

@@ -37,10 +37,12 @@ def _check_features(x: Tensor, what: str = "x") -> None:
 
 
 def _select_kernel_wins(k: int, dim: int) -> bool:
-    """Whether the Numba select kernel beats :func:`torch.topk`. It does k
+    """Whether the Numba select kernel beats :func:`torch.topk`. It takes k
     rounds of warp arg-max over the row, O(k * dim / 32) per row; measured on
     an H200 (232,965 rows): faster than topk up to k=16 at dim >= 128 (k=8:
-    1.2 vs 2.8 ms at dim 256), slower from k=32 (4.5 vs 3.1 ms)."""
+    1.2 vs 2.8 ms at dim 256), slower from k=32 (4.5 vs 3.1 ms). A radix
+    select kernel (k-independent) measured no faster than topk at k=32 and
+    was not kept."""
     return k <= 8 or (k <= 16 and dim >= 128)
 
 

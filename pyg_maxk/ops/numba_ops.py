@@ -22,7 +22,8 @@ from torch import Tensor
 from ..cbsr import CBSR, index_dtype_for
 from ..graph import CSRGraph, WorkSchedule
 from ..kernels import cuda_module, simulator_enabled
-from ..kernels.maxk_select import ROWS_PER_BLOCK, WARP, scatter_kernel, select_kernel
+from ..kernels._warp import WARP
+from ..kernels.maxk_select import ROWS_PER_BLOCK, scatter_kernel, select_kernel
 from ..kernels.spgemm import fits_shared_memory, spgemm_kernel, sspmm_kernel
 
 #: Threads of one SpGEMM/SSpMM block. The kernels work per warp; under the

@@ -1,0 +1,123 @@
+"""Accuracy parity: MaxK against the stock ReLU model, mean +- std of the test
+accuracy over seeds (model selected at the best validation epoch).
+
+    python benchmarks/accuracy.py --root DIR     # Cora, CiteSeer (DIR/Cora/raw, ...) + synthetic
+    python benchmarks/accuracy.py --tiny         # one seed, few epochs (CI smoke run)
+
+Planetoid runs use the public split. Writes benchmarks/results/accuracy[-tiny].json,
+.md (the README table) and .png.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pyg_maxk.datasets import load_dataset  # noqa: E402
+from pyg_maxk.training import TrainConfig, train_full_batch  # noqa: E402
+
+from common import RESULTS, environment, write_json  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--root", default="data", help="folder holding Cora/ and CiteSeer/")
+    p.add_argument("--datasets", default="Cora,CiteSeer,small")
+    p.add_argument("--models", default="sage,gcn,gin")
+    p.add_argument("--k", default="16,32", help="MaxK k values")
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--epochs", type=int, default=200)
+    p.add_argument("--seeds", type=int, default=10)
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--weight-decay", type=float, default=5e-4)
+    p.add_argument("--dropout", type=float, default=0.5)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--out", default=str(RESULTS))
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    datasets, models = args.datasets.split(","), args.models.split(",")
+    ks = [int(k) for k in args.k.split(",")]
+    seeds, epochs = (1, 5) if args.tiny else (args.seeds, args.epochs)
+    if args.tiny:
+        datasets, models, ks = ["small"], ["sage"], ks[:1]
+    rows = []
+    for name in datasets:
+        task = load_dataset(name, args.root, seed=0)
+        for model in models:
+            runs = {}
+            for k in [None] + ks:
+                accs = []
+                for seed in range(seeds):
+                    cfg = TrainConfig(model=model, hidden=args.hidden, layers=2, epochs=epochs,
+                                      lr=args.lr, weight_decay=args.weight_decay,
+                                      dropout=args.dropout, seed=seed, device=args.device)
+                    accs.append(100 * train_full_batch(task, cfg, k, verbose=False).test_metric)
+                runs["relu" if k is None else f"k={k}"] = {
+                    "mean": statistics.mean(accs),
+                    "std": statistics.stdev(accs) if len(accs) > 1 else 0.0, "runs": accs}
+                print(f"{name:9s} {model:5s} {'ReLU' if k is None else f'MaxK k={k}':10s} "
+                      f"{runs[list(runs)[-1]]['mean']:6.2f} +- {runs[list(runs)[-1]]['std']:.2f}",
+                      flush=True)
+            rows.append({"dataset": name, "model": model, "results": runs})
+    name = "accuracy-tiny" if args.tiny else "accuracy"
+    config = {k: v for k, v in vars(args).items() if k not in ("out",)}
+    payload = {"benchmark": "accuracy", "environment": environment(torch.device(args.device)),
+               "config": config, "rows": rows}
+    out_dir = Path(args.out)
+    path = write_json(name, payload, out_dir)
+    (out_dir / f"{name}.md").write_text(markdown(rows, ks, args.hidden))
+    plot(rows, out_dir / f"{name}.png")
+    print(markdown(rows, ks, args.hidden))
+    print(f"wrote {path}")
+
+
+def markdown(rows, ks, hidden) -> str:
+    head = "| dataset | model | ReLU | " + " | ".join(f"MaxK k={k} (of {hidden})" for k in ks) + " |"
+    lines = [head, "|" + "---|" * (3 + len(ks))]
+    for r in rows:
+        res = r["results"]
+        relu = res["relu"]["mean"]
+        cells = [f"{res['relu']['mean']:.2f} ± {res['relu']['std']:.2f}"]
+        for k in ks:
+            m = res[f"k={k}"]
+            cells.append(f"{m['mean']:.2f} ± {m['std']:.2f} ({m['mean'] - relu:+.2f})")
+        lines.append(f"| {r['dataset']} | {r['model']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows, path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover
+        return
+    labels = [f"{r['dataset']}\n{r['model']}" for r in rows]
+    keys = list(rows[0]["results"]) if rows else []
+    fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(rows)), 4))
+    width = 0.8 / max(1, len(keys))
+    for i, key in enumerate(keys):
+        means = [r["results"][key]["mean"] for r in rows]
+        stds = [r["results"][key]["std"] for r in rows]
+        ax.bar([j + i * width for j in range(len(rows))], means, width, yerr=stds, label=key)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))], labels, fontsize=8)
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_ylim(bottom=min([50] + [r["results"][k]["mean"] - 5 for r in rows for k in keys]))
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
