@@ -6,8 +6,12 @@ Backends:
   :func:`torch.topk`, the aggregation a ``torch.sparse`` CSR product.
 * ``"numba"``: the Numba CUDA kernels of :mod:`pyg_maxk.kernels`. It needs CUDA
   tensors, or CPU tensors under Numba's simulator (``NUMBA_ENABLE_CUDASIM=1``).
+* ``"cpu"``: Numba's parallel CPU kernels for the aggregation
+  (:mod:`pyg_maxk.kernels.cpu`; float32/float64 CPU tensors), ``torch.topk``
+  for the selection.
 * ``"auto"`` (default): ``"numba"`` for float32/float16/bfloat16 CUDA tensors
-  when the kernels can run, ``"torch"`` otherwise (float64 included).
+  when the kernels can run, ``"cpu"`` for float32/float64 CPU tensors when
+  Numba imports, ``"torch"`` otherwise.
 
 Select one with :func:`use_backend` (a context manager, also usable as a plain
 call) or the ``PYG_MAXK_BACKEND`` environment variable.
@@ -20,11 +24,13 @@ from typing import Optional
 
 import torch
 
-BACKENDS = ("auto", "torch", "numba")
+BACKENDS = ("auto", "torch", "numba", "cpu")
 ENV_VAR = "PYG_MAXK_BACKEND"
 
 #: Feature types the Numba kernels take (they accumulate in float32).
 NUMBA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: Feature types the CPU kernels take (they compute in that type).
+CPU_DTYPES = (torch.float32, torch.float64)
 
 _override: Optional[str] = None
 
@@ -75,18 +81,24 @@ class use_backend(contextlib.ContextDecorator):
 
 
 def resolve_backend(tensor: torch.Tensor) -> str:
-    """The concrete backend (``"torch"`` or ``"numba"``) for data on
-    ``tensor``'s device, raising when ``"numba"`` is forced where it cannot
-    run."""
+    """The concrete backend (``"torch"``, ``"numba"`` or ``"cpu"``) for data
+    on ``tensor``'s device, raising when a forced backend cannot run there."""
     name = get_backend()
     if name == "torch":
         return "torch"
+    if name == "cpu":
+        if tensor.is_cuda or tensor.dtype not in CPU_DTYPES:
+            raise TypeError(f"pyg_maxk backend 'cpu' takes float32/float64 CPU tensors, got "
+                            f"{tensor.dtype} on {tensor.device}")
+        return "cpu"
     from .kernels import numba_status  # lazy: importing Numba is slow
 
     status = numba_status()
     if name == "auto":
-        usable = tensor.is_cuda and status.cuda_available and tensor.dtype in NUMBA_DTYPES
-        return "numba" if usable else "torch"
+        if tensor.is_cuda:
+            usable = status.cuda_available and tensor.dtype in NUMBA_DTYPES
+            return "numba" if usable else "torch"
+        return "cpu" if status.importable and tensor.dtype in CPU_DTYPES else "torch"
     # Forced "numba".
     if tensor.dtype not in NUMBA_DTYPES:
         raise TypeError(

@@ -104,6 +104,7 @@ class CSRGraph:
         self.normalization = normalization
         self._torch_csr: Dict[Tuple[torch.dtype, bool], Tensor] = {}
         self._schedules: Dict[int, WorkSchedule] = {}
+        self._transposed: Optional[Tuple[Tensor, Tensor, Optional[Tensor]]] = None
 
     # ------------------------------------------------------------------ info
     @property
@@ -186,6 +187,21 @@ class CSRGraph:
         )
         self._schedules[max_edges] = schedule
         return schedule
+
+    def transposed(self) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+        """``(colptr [num_src + 1], row [E], weight [E] or None)``: the graph
+        grouped by source node (CSC), cached; the CPU backward reads it."""
+        if self._transposed is None:
+            order = torch.sort(self.col, stable=True).indices
+            counts = torch.bincount(self.col.long(), minlength=self.num_src)
+            colptr = torch.zeros(self.num_src + 1, dtype=self.rowptr.dtype, device=self.device)
+            torch.cumsum(counts, 0, out=colptr[1:])
+            row_of_edge = torch.repeat_interleave(
+                torch.arange(self.num_dst, dtype=self.col.dtype, device=self.device),
+                self.in_degree().long(), output_size=self.num_edges)
+            weight = None if self.weight is None else self.weight[order]
+            self._transposed = (colptr, row_of_edge[order], weight)
+        return self._transposed
 
     def kernel_col(self) -> Tensor:
         """``col`` as int32, the type the kernels read."""

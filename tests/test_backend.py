@@ -31,8 +31,15 @@ def test_environment_variable(monkeypatch):
         get_backend()
 
 
-def test_auto_uses_torch_on_cpu():
-    assert resolve_backend(torch.zeros(1)) == "torch"
+def test_auto_uses_the_cpu_kernels_on_cpu():
+    assert resolve_backend(torch.zeros(1)) == "cpu"
+    assert resolve_backend(torch.zeros(1, dtype=torch.float64)) == "cpu"
+    assert resolve_backend(torch.zeros(1, dtype=torch.bfloat16)) == "torch"
+
+
+def test_forced_cpu_backend_rejects_what_it_cannot_take():
+    with pyg_maxk.use_backend("cpu"), pytest.raises(TypeError, match="float32/float64 CPU"):
+        resolve_backend(torch.zeros(1, dtype=torch.float16))
 
 
 def test_numba_rejects_float64():

@@ -72,6 +72,31 @@ def fits_shared_memory(k: int, dim: int, warps: int) -> bool:
     return lane_groups(k, dim, warps) >= 1
 
 
+@functools.lru_cache(maxsize=None)
+def _helpers(k: int, weighted: bool):
+    """Device functions both kernels share: staging a round of up to 32
+    neighbours in shared memory, and the ``UNROLL`` neighbours a lane takes."""
+    kk = uint32(k)
+
+    @cuda.jit(device=True, inline=True)
+    def stage(col, weight, base, n, lane, warp, nbr, nbr_w):
+        if lane < n:
+            nbr[warp, lane] = uint32(col[base + lane]) * kk
+            if weighted:
+                nbr_w[warp, lane] = weight[base + lane]
+
+    @cuda.jit(device=True, inline=True)
+    def take(step, group, groups, n, ok):
+        """Round-local neighbour numbers q0..q3 and whether each is real."""
+        q0 = step + group
+        q1 = q0 + groups
+        q2 = q1 + groups
+        q3 = q2 + groups
+        return q0, q1, q2, q3, ok and q0 < n, ok and q1 < n, ok and q2 < n, ok and q3 < n
+
+    return stage, take
+
+
 def _layout(k: int, groups: int):
     """(lanes per group, active lanes, slot chunks per lane)."""
     lanes = min(k, WARP)
@@ -88,6 +113,7 @@ def spgemm_kernel(dim: int, k: int, threads: int, weighted: bool):
     lanes, active_lanes, chunks = _layout(k, groups)
     kk = uint32(k)
     sync = warp_sync()
+    stage, take = _helpers(k, weighted)
 
     @cuda.jit
     def spgemm(item_row, item_start, item_end, item_split, col, weight,
@@ -109,23 +135,13 @@ def spgemm_kernel(dim: int, k: int, threads: int, weighted: bool):
             sync()
             for base in range(e0, e1, uint32(WARP)):
                 n = min(uint32(WARP), e1 - base)
-                if lane < n:
-                    nbr[warp, lane] = uint32(col[base + lane]) * kk
-                    if weighted:
-                        nbr_w[warp, lane] = weight[base + lane]
+                stage(col, weight, base, n, lane, warp, nbr, nbr_w)
                 sync()
                 for step in range(0, n, groups * UNROLL):
-                    q0 = step + group
-                    q1 = q0 + groups
-                    q2 = q1 + groups
-                    q3 = q2 + groups
                     for c in range(chunks):
                         j = slot + uint32(c * WARP)
-                        ok = active and j < kk
-                        ok0 = ok and q0 < n
-                        ok1 = ok and q1 < n
-                        ok2 = ok and q2 < n
-                        ok3 = ok and q3 < n
+                        q0, q1, q2, q3, ok0, ok1, ok2, ok3 = take(step, group, groups, n,
+                                                                  active and j < kk)
                         v0 = v1 = v2 = v3 = float32(0.0)
                         i0 = i1 = i2 = i3 = 0
                         if ok0:
@@ -191,6 +207,7 @@ def sspmm_kernel(dim: int, k: int, threads: int, weighted: bool):
     lanes, active_lanes, chunks = _layout(k, groups)
     kk = uint32(k)
     sync = warp_sync()
+    stage, take = _helpers(k, weighted)
 
     @cuda.jit
     def sspmm(item_row, item_start, item_end, col, weight, indices, grad_out,
@@ -212,23 +229,13 @@ def sspmm_kernel(dim: int, k: int, threads: int, weighted: bool):
             for base in range(e0, e1, uint32(WARP)):
                 n = min(uint32(WARP), e1 - base)
                 sync()  # the previous round's reads of nbr are done
-                if lane < n:
-                    nbr[warp, lane] = uint32(col[base + lane]) * kk
-                    if weighted:
-                        nbr_w[warp, lane] = weight[base + lane]
+                stage(col, weight, base, n, lane, warp, nbr, nbr_w)
                 sync()
                 for step in range(0, n, groups * UNROLL):
-                    q0 = step + group
-                    q1 = q0 + groups
-                    q2 = q1 + groups
-                    q3 = q2 + groups
                     for c in range(chunks):
                         j = slot + uint32(c * WARP)
-                        ok = active and j < kk
-                        ok0 = ok and q0 < n
-                        ok1 = ok and q1 < n
-                        ok2 = ok and q2 < n
-                        ok3 = ok and q3 < n
+                        q0, q1, q2, q3, ok0, ok1, ok2, ok3 = take(step, group, groups, n,
+                                                                  active and j < kk)
                         s0 = s1 = s2 = s3 = uint32(0)
                         i0 = i1 = i2 = i3 = 0
                         if ok0:

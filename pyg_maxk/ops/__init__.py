@@ -102,10 +102,14 @@ def aggregate(graph: CSRGraph, h: Union[CBSR, Tensor]) -> Tensor:
     if isinstance(h, Tensor) or h.is_full:
         dense = h if isinstance(h, Tensor) else h.values
         return torch.sparse.mm(graph.torch_csr(dense.dtype), dense)
-    if resolve_backend(h.values) == "numba":
+    backend = resolve_backend(h.values)
+    if backend == "numba":
         from .numba_ops import spgemm, supports
         if supports(h.k, h.dim):  # else too wide for shared memory: torch below
             return spgemm(graph, h)
+    elif backend == "cpu":
+        from .cpu_ops import spgemm
+        return spgemm(graph, h)
     return torch.sparse.mm(graph.torch_csr(h.dtype), h.to_dense())
 
 

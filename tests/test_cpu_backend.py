@@ -1,0 +1,65 @@
+"""The "cpu" backend (Numba parallel CPU kernels): kernels against float64
+references, the layer contract, and float64 gradients."""
+import pytest
+import torch
+
+import pyg_maxk
+from pyg_maxk import CBSR, CSRGraph
+
+from helpers import FORMS, adjacency, assert_same_as_stock, random_edge_index
+from test_layers import K, N, _weights, _x, make_pair
+
+
+def random_cbsr(num_rows, dim, k, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    values, idx = torch.randn(num_rows, dim, generator=g, dtype=dtype).topk(k, dim=1)
+    return CBSR(values, idx.to(pyg_maxk.index_dtype_for(dim)), dim)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("normalization,size,dim,k", [
+    ("sum", (30, 30), 40, 6), ("mean", (17, 9), 300, 7), ("gcn", (25, 25), 20, 19),
+    ("sum", (5, 4), 16, 3)])
+def test_kernels_against_float64(dtype, normalization, size, dim, k):
+    num_edges = 0 if size == (5, 4) else 160
+    ei = random_edge_index(*size, num_edges, seed=1)
+    w = torch.rand(num_edges) + 0.1 if normalization != "mean" else None
+    graph = CSRGraph.from_adj(ei, size, edge_weight=w, normalization=normalization)
+    h = random_cbsr(size[0], dim, k, dtype)
+    values = h.values.clone().requires_grad_()
+    with pyg_maxk.use_backend("cpu"):
+        out = pyg_maxk.aggregate(graph, h.with_values(values))
+    a = graph.torch_csr(torch.float64)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else {}
+    torch.testing.assert_close(out.double(), torch.sparse.mm(a, h.to_dense().double()), **tol)
+    grad_out = torch.randn(size[1], dim, dtype=dtype)
+    out.backward(grad_out)
+    ref = torch.sparse.mm(a.t().to_sparse_csr(), grad_out.double()).gather(1, h.long_indices())
+    torch.testing.assert_close(values.grad.double(), ref, **tol)
+
+
+@pytest.mark.parametrize("form", [f for f in FORMS if f != "csc"])  # stock GCN rejects CSC
+@pytest.mark.parametrize("kind", ["sage", "gcn", "gin"])
+def test_layer_contract(kind, form):
+    ei = random_edge_index(N, N, 50, seed=3)
+    value = _weights(ei.size(1)) if form in ("SparseTensor", "coo", "csr") else None
+    ours, stock = make_pair(kind)
+    assert_same_as_stock(ours, stock, _x(), (adjacency(form, ei, (N, N), value),), K,
+                         backend="cpu")
+
+
+@pytest.mark.parametrize("kind", ["sage", "gin"])
+def test_layer_contract_bipartite(kind):
+    ei = random_edge_index(11, 7, 30, seed=4)
+    ours, stock = make_pair(kind)
+    x = (_x(11), _x(7, seed=5))
+    assert_same_as_stock(ours, stock, x, (ei, (11, 7)), K, backend="cpu")
+
+
+@pytest.mark.parametrize("kind", ["sage", "gcn", "gin"])
+def test_gradcheck_float64(kind):
+    ei = random_edge_index(8, 8, 20, seed=10)
+    conv = make_pair(kind, f_in=6, k=3)[0].double()
+    x = torch.randn(8, 6, dtype=torch.float64, requires_grad=True)
+    with pyg_maxk.use_backend("cpu"):
+        assert torch.autograd.gradcheck(lambda x: conv(x, ei), (x,))
