@@ -3,6 +3,7 @@
     python benchmarks/train.py                 # Reddit-, products- and Cora-shaped graphs (GPU)
     python benchmarks/train.py --tiny          # CPU smoke run on a small graph (CI)
     python benchmarks/train.py --graphs reddit --models sage --k 8,32
+    python benchmarks/train.py --device cpu --graphs reddit --scale 0.02 --forms edge_index,csr
 
 For every graph and model (SAGE, GCN, GIN: an input linear map, L convs of
 width 256, an output linear map, Adam) it times one training epoch (forward,
@@ -65,6 +66,8 @@ def parse_args(argv=None):
     p.add_argument("--forms", default=",".join(FORMS), help="stock input forms")
     p.add_argument("--k", default="32", help="MaxK k values, comma separated")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="multiply the graphs' nodes and edges (e.g. 0.02 for a CPU run)")
     p.add_argument("--device", default=None)
     p.add_argument("--out", default=str(RESULTS))
     return p.parse_args(argv)
@@ -248,7 +251,7 @@ def main(argv=None):
         graphs, scale, repeats = ["cora"], 1.0, 2
     else:
         device = torch.device(args.device or "cuda")
-        graphs, scale, repeats = args.graphs.split(","), 1.0, args.repeats
+        graphs, scale, repeats = args.graphs.split(","), args.scale, args.repeats
     models = args.models.split(",")
     forms = args.forms.split(",")
     ks = [int(k) for k in args.k.split(",")]
@@ -257,7 +260,7 @@ def main(argv=None):
                "workloads": {}}
     for name in graphs:
         payload["workloads"][name] = run_workload(name, models, forms, ks, device, repeats, scale)
-    name = "train-tiny" if args.tiny else "train"
+    name = "train-tiny" if args.tiny else ("train" if device.type == "cuda" else "train-cpu")
     out_dir = Path(args.out)
     path = write_json(name, payload, out_dir)
     plot(payload, out_dir / f"{name}.png")

@@ -4,6 +4,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from pyg_maxk.cli import build_parser, main
 
@@ -68,3 +69,46 @@ def test_seeded_runs_reproduce(capsys):
     second = capsys.readouterr().out.splitlines()
     strip = [line for line in first if "loss" in line]
     assert strip and strip == [line for line in second if "loss" in line]
+
+
+class _FakeOgbDataset:
+    """Stands in for ogb's PygNodePropPredDataset (tests never download)."""
+
+    def __init__(self, name, root):
+        from torch_geometric.data import Data
+        g = torch.Generator().manual_seed(0)
+        n = 60
+        self.name = name
+        edge_index = torch.randint(0, n, (2, 300), generator=g)
+        if name == "ogbn-proteins":
+            self.data = Data(edge_index=edge_index, edge_attr=torch.rand(300, 8, generator=g),
+                             y=torch.randint(0, 2, (n, 112), generator=g), num_nodes=n)
+        else:
+            self.data = Data(x=torch.randn(n, 16, generator=g), edge_index=edge_index,
+                             y=torch.randint(0, 5, (n, 1), generator=g))
+        perm = torch.randperm(n, generator=g)
+        self.split = {"train": perm[:30], "valid": perm[30:45], "test": perm[45:]}
+
+    def __getitem__(self, i):
+        return self.data
+
+    def get_idx_split(self):
+        return self.split
+
+
+@pytest.mark.parametrize("name,metric", [("ogbn-arxiv", "accuracy"), ("ogbn-proteins", "rocauc")])
+def test_ogb_datasets_use_the_split_and_ogbs_evaluator(name, metric, monkeypatch, capsys):
+    import ogb.nodeproppred
+    monkeypatch.setattr(ogb.nodeproppred, "PygNodePropPredDataset", _FakeOgbDataset)
+    from pyg_maxk.datasets import load_dataset
+    task = load_dataset(name, "unused")
+    data = task.data
+    assert task.metric == metric and int(data.train_mask.sum()) == 30
+    assert not (data.train_mask & data.test_mask).any()
+    if name == "ogbn-proteins":
+        assert task.multilabel and data.x.shape == (60, 8) and task.num_classes == 112
+    else:
+        assert data.y.dim() == 1 and task.num_classes == int(data.y.max()) + 1
+    assert main(["train", "--dataset", name, "--epochs", "2", "--hidden", "16", "--k", "4",
+                 "--no-progress"]) == 0
+    assert f"test {metric}" in capsys.readouterr().out

@@ -1,7 +1,8 @@
 """The ``"cpu"`` backend: CBSR aggregation with the Numba CPU kernels of
 :mod:`pyg_maxk.kernels.cpu`, differentiable w.r.t. the CBSR values.
 
-MaxK selection itself stays :func:`torch.topk` on the CPU.
+MaxK selection stays :func:`torch.topk`: Numba selection kernels (sorted
+insertion, a heap) measured no faster than topk on 5,000 x 256 rows, k=32.
 """
 from __future__ import annotations
 
