@@ -40,6 +40,7 @@ def parse_args(argv=None):
     p.add_argument("--dropout", type=float, default=0.5)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true")
+    p.add_argument("--tag", default="", help="suffix of the result files' names")
     p.add_argument("--out", default=str(RESULTS))
     return p.parse_args(argv)
 
@@ -71,6 +72,8 @@ def main(argv=None):
                       flush=True)
             rows.append({"dataset": name, "model": model, "results": runs})
     name = "accuracy-tiny" if args.tiny else "accuracy"
+    if args.tag:
+        name += f"-{args.tag}"
     config = {k: v for k, v in vars(args).items() if k not in ("out",)}
     payload = {"benchmark": "accuracy", "environment": environment(torch.device(args.device)),
                "config": config, "rows": rows}

@@ -151,6 +151,14 @@ def _peak_mib(device: torch.device) -> float:
     return float("nan")
 
 
+def _start_run(cfg: TrainConfig, device: torch.device, k: Optional[int],
+               verbose: bool) -> Progress:
+    """Reset the peak-memory counter and open the run's progress display."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    return Progress(_label(k), cfg.epochs, cfg, verbose)
+
+
 def _steady(times: List[float]) -> float:
     """Median epoch time without the first epochs (kernel compilation, graph
     build, allocator warm-up)."""
@@ -165,9 +173,7 @@ def train_full_batch(task: NodeTask, cfg: TrainConfig, k: Optional[int],
     seed_everything(cfg.seed)
     model = build_model(cfg, data.num_features, task.num_classes, k).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    progress = Progress(_label(k), cfg.epochs, cfg, verbose)
+    progress = _start_run(cfg, device, k, verbose)
     times, losses = [], []
     best_val, test_at_best = -1.0, 0.0
     for epoch in range(1, cfg.epochs + 1):
@@ -245,9 +251,7 @@ def train_neighbor(task: NodeTask, cfg: TrainConfig, k: Optional[int], verbose: 
     train_seeds = _share(data.train_mask.nonzero().view(-1), rank, world_size)
     generator = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
     loader = neighbor_loader(data, train_seeds, cfg, shuffle=True, generator=generator)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    progress = Progress(_label(k), cfg.epochs, cfg, verbose)
+    progress = _start_run(cfg, device, k, verbose)
     times, losses = [], []
     best_val, test_at_best = -1.0, 0.0
     for epoch in range(1, cfg.epochs + 1):

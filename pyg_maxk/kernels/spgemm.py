@@ -115,6 +115,9 @@ def spgemm_kernel(dim: int, k: int, threads: int, weighted: bool):
     sync = warp_sync()
     stage, take = _helpers(k, weighted)
 
+    # The four neighbours' loads are spelled out on purpose: moving them into a
+    # device function (with an early return for absent neighbours) made the
+    # k=32 kernel 7.2 -> 10.3 ms on an H200 (and SSpMM 5.9 -> 7.7 ms).
     @cuda.jit
     def spgemm(item_row, item_start, item_end, item_split, col, weight,
                values, indices, out, num_items):

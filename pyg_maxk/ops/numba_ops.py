@@ -214,6 +214,13 @@ def maxk_select(x: Tensor, k: int) -> Tuple[Tensor, Tensor]:
 
 
 # ------------------------------------------------------------ SpGEMM ops
+def _item_launch(num_items: int, device: torch.device):
+    """(launcher, threads, blocks) for the per-warp work-item kernels."""
+    run = launcher()
+    threads = run.threads
+    return run, threads, min(-(-num_items // (threads // WARP)), run.max_blocks(device, threads))
+
+
 @torch.library.custom_op("pyg_maxk::spgemm", mutates_args=())
 def spgemm_op(item_row: Tensor, item_start: Tensor, item_end: Tensor, item_split: Tensor,
               col: Tensor, weight: Optional[Tensor], values: Tensor, indices: Tensor,
@@ -222,11 +229,9 @@ def spgemm_op(item_row: Tensor, item_start: Tensor, item_end: Tensor, item_split
     out = torch.zeros(num_dst, dim, dtype=KERNEL_DTYPE, device=values.device)
     num_items = item_row.numel()
     if num_items > 0:
-        run = launcher()
-        threads = run.threads
+        run, threads, blocks = _item_launch(num_items, values.device)
         v32 = values.detach().to(KERNEL_DTYPE).contiguous()
         w = weight if weight is not None else item_start  # unread when unweighted
-        blocks = min(-(-num_items // (threads // WARP)), run.max_blocks(values.device, threads))
         run(spgemm_kernel(dim, k, threads, weight is not None), blocks, threads, values.device,
             item_row, item_start, item_end, item_split, col, w, v32.view(-1),
             indices.contiguous().view(-1), out, num_items)
@@ -248,11 +253,9 @@ def sspmm_op(item_row: Tensor, item_start: Tensor, item_end: Tensor, col: Tensor
     grad_values = torch.zeros(num_src, k, dtype=KERNEL_DTYPE, device=grad_out.device)
     num_items = item_row.numel()
     if num_items > 0:
-        run = launcher()
-        threads = run.threads
+        run, threads, blocks = _item_launch(num_items, grad_out.device)
         g32 = grad_out.detach().to(KERNEL_DTYPE).contiguous()
         w = weight if weight is not None else item_start  # unread when unweighted
-        blocks = min(-(-num_items // (threads // WARP)), run.max_blocks(grad_out.device, threads))
         run(sspmm_kernel(dim, k, threads, weight is not None), blocks, threads, grad_out.device,
             item_row, item_start, item_end, col, w, indices.contiguous().view(-1), g32,
             grad_values.view(-1), num_items)
