@@ -71,6 +71,13 @@ def main(argv=None):
                       f"{runs[list(runs)[-1]]['mean']:6.2f} +- {runs[list(runs)[-1]]['std']:.2f}",
                       flush=True)
             rows.append({"dataset": name, "model": model, "results": runs})
+            path = save(rows, ks, args)  # after every row: a long run stopped early keeps its rows
+    print(markdown(rows, ks, args.hidden))
+    print(f"wrote {path}")
+
+
+def save(rows, ks, args) -> Path:
+    """Write the JSON, the markdown table and the plot of ``rows``."""
     name = "accuracy-tiny" if args.tiny else "accuracy"
     if args.tag:
         name += f"-{args.tag}"
@@ -81,8 +88,7 @@ def main(argv=None):
     path = write_json(name, payload, out_dir)
     (out_dir / f"{name}.md").write_text(markdown(rows, ks, args.hidden))
     plot(rows, out_dir / f"{name}.png")
-    print(markdown(rows, ks, args.hidden))
-    print(f"wrote {path}")
+    return path
 
 
 def markdown(rows, ks, hidden) -> str:
