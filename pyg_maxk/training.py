@@ -203,10 +203,10 @@ def train_full_batch(task: NodeTask, cfg: TrainConfig, k: Optional[int],
 
 # -------------------------------------------------------------- mini-batch
 def neighbor_loader(data, seeds: Tensor, cfg: TrainConfig, shuffle: bool,
-                    generator: Optional[torch.Generator] = None):
+                    generator: Optional[torch.Generator] = None, like=None):
     """PyG's NeighborLoader over ``seeds`` with ``cfg.fanout`` per hop (the
-    first entry is the hop next to the seeds); batches carry per-hop node and
-    edge counts, which the models use to shrink each layer to its targets."""
+    first entry is the hop next to the seeds). ``like``: another such loader
+    whose sampler (and the graph it converted) is reused."""
     from torch_geometric.loader import NeighborLoader
 
     if len(cfg.fanout) != cfg.layers:
@@ -214,7 +214,8 @@ def neighbor_loader(data, seeds: Tensor, cfg: TrainConfig, shuffle: bool,
                          f"{cfg.layers} layers; give one fanout per layer")
     return NeighborLoader(data, num_neighbors=list(cfg.fanout), input_nodes=seeds,
                           batch_size=cfg.batch_size, shuffle=shuffle,
-                          num_workers=cfg.num_workers, generator=generator)
+                          num_workers=cfg.num_workers, generator=generator,
+                          neighbor_sampler=None if like is None else like.node_sampler)
 
 
 def _batch_forward(model, batch, device):
@@ -251,6 +252,10 @@ def train_neighbor(task: NodeTask, cfg: TrainConfig, k: Optional[int], verbose: 
     train_seeds = _share(data.train_mask.nonzero().view(-1), rank, world_size)
     generator = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
     loader = neighbor_loader(data, train_seeds, cfg, shuffle=True, generator=generator)
+    # Built once: each new sampler would convert the whole graph again.
+    eval_loaders = [neighbor_loader(data, _share(mask.nonzero().view(-1), rank, world_size),
+                                    cfg, shuffle=False, like=loader)
+                    for mask in (data.val_mask, data.test_mask)]
     progress = _start_run(cfg, device, k, verbose)
     times, losses = [], []
     best_val, test_at_best = -1.0, 0.0
@@ -274,7 +279,7 @@ def train_neighbor(task: NodeTask, cfg: TrainConfig, k: Optional[int], verbose: 
         if all_reduce is not None:
             stats = all_reduce(stats)
         losses.append(float(stats[0] / stats[1]))
-        val, test = _evaluate(model, task, cfg, device, rank, world_size, all_reduce)
+        val, test = _evaluate(model, task, eval_loaders, device, all_reduce)
         if val > best_val:
             best_val, test_at_best = val, test
         progress.update(epoch, losses[-1], val, task.metric)
@@ -293,15 +298,15 @@ def _share(seeds: Tensor, rank: int, world_size: int) -> Tensor:
 
 
 @torch.no_grad()
-def _evaluate(model, task, cfg, device, rank, world_size, all_reduce):
-    """Validation and test metric with the training fanout. Accuracy is
-    summed exactly over ranks; other metrics are averaged over ranks."""
+def _evaluate(model, task, loaders, device, all_reduce):
+    """Validation and test metric of this rank's share (``loaders``), with the
+    training fanout. Accuracy is summed exactly over ranks; other metrics are
+    weighted averages over ranks."""
     model.eval()
     results = []
-    for mask in (task.data.val_mask, task.data.test_mask):
-        seeds = _share(mask.nonzero().view(-1), rank, world_size)
+    for loader in loaders:
         outs, ys = [], []
-        for batch in neighbor_loader(task.data, seeds, cfg, shuffle=False):
+        for batch in loader:
             out, y = _batch_forward(model, batch, device)
             outs.append(out.float())
             ys.append(y)

@@ -22,8 +22,9 @@ shared-memory row ``acc[g, :dim]``::
 
 No shared-memory atomics: floating-point ``atomicAdd`` on shared memory
 (likely a compare-and-swap loop in SASS; not checked with cuobjdump) was
-measured to dominate the previous, block-per-item kernel on an H200 (16.5 ms with atomics vs 6.7 ms with racy
-plain stores, Reddit-shaped graph, k=32, dim 256).
+measured to dominate the previous, block-per-item kernel on an H200 (16.5 ms
+with atomics vs 6.7 ms with racy plain stores, Reddit-shaped graph, k=32,
+dim 256).
 
 Backward (outer-product style, from the same CSR)::
 

@@ -15,6 +15,7 @@ from ..cbsr import CBSR
 from ..graph import CSRGraph
 from ..kernels import cpu as kernels
 
+
 def _weight(weight: Optional[Tensor], dtype: torch.dtype, like: Tensor):
     """(edge values as a numpy array of ``dtype``, whether they are real)."""
     if weight is None:
