@@ -32,8 +32,9 @@ class CBSR:
             :func:`index_dtype_for` ``(dim)`` (``uint8`` while ``dim <= 256``).
         dim (int): the number of columns of the dense matrix.
 
-    The rows' entries are ordered by decreasing value (as :func:`torch.topk`
-    returns them); no operation relies on that order.
+    No operation relies on the order of a row's entries (:func:`~pyg_maxk.maxk`
+    writes them in column order on the ``"numba"`` backend, by decreasing
+    value elsewhere).
     """
 
     __slots__ = ("values", "indices", "dim")

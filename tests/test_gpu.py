@@ -66,7 +66,7 @@ def test_runs_agree_no_races():
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dim", [64, 256, 512])
+@pytest.mark.parametrize("dim", [64, 256, 512, 1000])
 def test_maxk_select_all_k(dim):
     x = torch.randn(50_000, dim, device="cuda")
     for k in sorted({1, 7, 32, dim // 2, dim - 1}):

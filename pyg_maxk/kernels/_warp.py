@@ -1,9 +1,11 @@
 """Warp-level helpers shared by the kernels.
 
-Numba's simulator has no ``syncwarp`` (nor shuffles or ballots): there the
-launcher uses one-warp blocks and ``syncthreads`` stands in (the same
-semantics for a one-warp block). Kernels using :func:`warp_sync` keep every
-loop bound warp-uniform, so every lane reaches every barrier.
+Numba's simulator has no ``syncwarp``, shuffles or ballots: there the
+launchers use one-warp blocks, ``syncthreads`` stands in for ``syncwarp`` (the
+same semantics for a one-warp block) and the reductions go through a
+per-warp shared-memory ``scratch`` row (``[warps, 32]`` uint32, unused on a
+GPU). Kernels using these keep every loop bound warp-uniform, so every lane
+reaches every barrier and every shuffle.
 """
 from __future__ import annotations
 
@@ -13,8 +15,10 @@ from ._numba import cuda_module, simulator_enabled
 
 # Module-level name `cuda`: Numba's simulator swaps exactly this global.
 cuda = cuda_module()
+from numba import int32, uint32  # noqa: E402 (after the numpy shim)
 
 WARP = 32
+FULL_MASK = 0xFFFFFFFF
 
 
 @functools.lru_cache(maxsize=None)
@@ -29,3 +33,61 @@ def warp_sync():
         def sync():
             cuda.syncwarp()
     return sync
+
+
+@functools.lru_cache(maxsize=None)
+def warp_sum():
+    """``warp_sum(value, lane, scratch_row) -> uint32``: the sum of a uint32
+    over the warp's lanes, returned to every lane."""
+    if simulator_enabled():
+        @cuda.jit(device=True, inline=True)
+        def total(value, lane, scratch_row):
+            scratch_row[lane] = uint32(value)
+            cuda.syncthreads()
+            s = uint32(0)
+            for other in range(WARP):
+                s += scratch_row[other]
+            cuda.syncthreads()
+            return s
+    else:
+        @cuda.jit(device=True, inline=True)
+        def total(value, lane, scratch_row):
+            # Spelled out: a loop over a tuple of offsets compiles to a
+            # branchy switch per step (seen in SASS), not to immediates.
+            # Shuffles take signed ints (counts fit); int32(...) keeps the
+            # sums 32-bit (int32 + int32 is int64 in Numba: two shuffles).
+            s = int32(value)
+            s = int32(s + cuda.shfl_xor_sync(FULL_MASK, s, 16))
+            s = int32(s + cuda.shfl_xor_sync(FULL_MASK, s, 8))
+            s = int32(s + cuda.shfl_xor_sync(FULL_MASK, s, 4))
+            s = int32(s + cuda.shfl_xor_sync(FULL_MASK, s, 2))
+            s = int32(s + cuda.shfl_xor_sync(FULL_MASK, s, 1))
+            return uint32(s)
+    return total
+
+
+@functools.lru_cache(maxsize=None)
+def warp_rank():
+    """``warp_rank(flag, lane, scratch_row) -> (below, total)``: how many lanes
+    below this one have ``flag`` set, and how many lanes in all."""
+    if simulator_enabled():
+        @cuda.jit(device=True, inline=True)
+        def rank(flag, lane, scratch_row):
+            scratch_row[lane] = uint32(1) if flag else uint32(0)
+            cuda.syncthreads()
+            below = uint32(0)
+            count = uint32(0)
+            for other in range(WARP):
+                f = scratch_row[other]
+                count += f
+                if other < lane:
+                    below += f
+            cuda.syncthreads()
+            return below, count
+    else:
+        @cuda.jit(device=True, inline=True)
+        def rank(flag, lane, scratch_row):
+            mask = uint32(cuda.ballot_sync(FULL_MASK, flag))
+            lower = (uint32(1) << lane) - uint32(1)
+            return uint32(cuda.popc(mask & lower)), uint32(cuda.popc(mask))
+    return rank

@@ -2,113 +2,118 @@
 into CBSR, and its backward scatter.
 
 One warp per row. Each lane holds ``ceil(dim / 32)`` entries of the row in
-registers; ``k`` rounds each pick the next entry in the order (value
-descending, column ascending) with a warp-wide arg-max, so the row is never
-sorted and the output comes out in :func:`torch.topk` order. NaN ranks above
-every number, as in :func:`torch.topk`.
+registers as order-preserving uint32 keys, and a radix select over the key
+bits (most significant first) finds the ``k``-th largest key ``T``: one
+warp-wide count per bit, 32 at most, stopping early once exactly ``k`` keys
+lie at or above the candidate prefix. The cost per row is
+``O(32 * dim / 32)`` whatever ``k``; ``torch.topk`` costs several times more
+on the shapes MaxK sees (measured in ``benchmarks/kernels.py``).
 
-The warp arg-max uses register shuffles on a GPU; Numba's simulator has no
-shuffles, so there a shared-memory exchange with the same result stands in.
+The kept entries are written in column order: every key above ``T``, then the
+lowest columns among the keys equal to ``T``. As in :func:`torch.topk`, NaN
+ranks above every number and ``-0.0`` ties with ``0.0``.
 """
 from __future__ import annotations
 
 import functools
 import math
 
-from ._numba import cuda_module, simulator_enabled
+from ._numba import cuda_module
 
 # Module-level name `cuda`: Numba's simulator swaps exactly this global.
 cuda = cuda_module()
-from numba import float32, int32  # noqa: E402 (after the numpy shim)
+from numba import uint32  # noqa: E402 (after the numpy shim)
 
-from ._warp import WARP  # noqa: E402
+from ._warp import WARP, warp_rank, warp_sum  # noqa: E402
+
+#: Rows (warps) per block on a GPU; the simulator runs one-warp blocks.
 ROWS_PER_BLOCK = 4
 
-
-@functools.lru_cache(maxsize=None)
-def _device_functions():
-    @cuda.jit(device=True, inline=True)
-    def precedes(av, ai, bv, bi):
-        """Whether entry (av, ai) comes before (bv, bi): larger value first,
-        NaN largest, ties to the smaller column."""
-        a_nan = av != av
-        b_nan = bv != bv
-        if a_nan or b_nan:
-            if a_nan and b_nan:
-                return ai < bi
-            return a_nan
-        return av > bv or (av == bv and ai < bi)
-
-    @cuda.jit(device=True, inline=True)
-    def warp_best_shfl(bv, bi, lane, warp, scratch_v, scratch_i):
-        for offset in (16, 8, 4, 2, 1):
-            ov = cuda.shfl_xor_sync(0xFFFFFFFF, bv, offset)
-            oi = cuda.shfl_xor_sync(0xFFFFFFFF, bi, offset)
-            if precedes(ov, oi, bv, bi):
-                bv = ov
-                bi = oi
-        return bv, bi
-
-    @cuda.jit(device=True, inline=True)
-    def warp_best_shared(bv, bi, lane, warp, scratch_v, scratch_i):
-        scratch_v[warp, lane] = bv
-        scratch_i[warp, lane] = bi
-        cuda.syncthreads()
-        for other in range(WARP):
-            ov = scratch_v[warp, other]
-            oi = scratch_i[warp, other]
-            if precedes(ov, oi, bv, bi):
-                bv = ov
-                bi = oi
-        cuda.syncthreads()
-        return bv, bi
-
-    return precedes, warp_best_shfl, warp_best_shared
+_SIGN = uint32(0x80000000)
+_ABS = uint32(0x7FFFFFFF)
+_INF = uint32(0x7F800000)
+_ALL = uint32(0xFFFFFFFF)
 
 
 @functools.lru_cache(maxsize=None)
-def select_kernel(dim: int, k: int):
-    """The compiled selection kernel for one ``(dim, k)``."""
-    precedes, warp_best_shfl, warp_best_shared = _device_functions()
-    warp_best = warp_best_shared if simulator_enabled() else warp_best_shfl
+def _order_key():
+    @cuda.jit(device=True, inline=True)
+    def order_key(bits):
+        """A uint32 whose unsigned order is the float32 order of ``bits`` (a
+        float32 bit pattern), with -0.0 equal to 0.0 and NaN above +inf."""
+        b = uint32(bits)
+        if b == _SIGN:
+            b = uint32(0)
+        if (b & _ABS) > _INF:
+            return _ALL
+        if b & _SIGN:
+            return b ^ _ALL
+        return b | _SIGN
+
+    return order_key
+
+
+@functools.lru_cache(maxsize=None)
+def select_kernel(dim: int, k: int, rows_per_block: int):
+    """The compiled selection kernel for one ``(dim, k)``; ``x_bits`` is ``x``
+    viewed as int32."""
+    order_key = _order_key()
+    count_all, rank = warp_sum(), warp_rank()
     per_lane = math.ceil(dim / WARP)
-    rows_per_block = ROWS_PER_BLOCK
+    kk, d32, w32, zero, one = uint32(k), uint32(dim), uint32(WARP), uint32(0), uint32(1)
+    rpb = uint32(rows_per_block)
 
     @cuda.jit
-    def maxk_select(x, values, indices, num_rows):
-        lane = cuda.threadIdx.x % WARP
-        warp = cuda.threadIdx.x // WARP
-        scratch_v = cuda.shared.array((rows_per_block, WARP), float32)
-        scratch_i = cuda.shared.array((rows_per_block, WARP), int32)
-        row_vals = cuda.local.array(per_lane, float32)
-        # The loop bounds are uniform across the block (the simulator's
-        # reduction synchronises the whole block).
-        for first in range(cuda.blockIdx.x * rows_per_block, num_rows,
-                           cuda.gridDim.x * rows_per_block):
+    def maxk_select(x, x_bits, values, indices, num_rows):
+        lane = uint32(cuda.threadIdx.x) % w32
+        warp = uint32(cuda.threadIdx.x) // w32
+        scratch = cuda.shared.array((rows_per_block, WARP), uint32)  # simulator only
+        mine = scratch[warp]
+        keys = cuda.local.array(per_lane, uint32)  # registers after unrolling
+        for first in range(uint32(cuda.blockIdx.x) * rpb, uint32(num_rows),
+                           uint32(cuda.gridDim.x) * rpb):
             row = first + warp
-            active = row < num_rows
-            for m in range(per_lane):
-                c = lane + m * WARP
-                row_vals[m] = x[row, c] if active and c < dim else float32(0.0)
-            prev_v = float32(0.0)
-            prev_i = int32(-1)
-            for t in range(k):
-                best_v = float32(-math.inf)
-                best_i = int32(dim)  # "nothing": every real entry precedes it
+            if row < uint32(num_rows):  # warp-uniform
                 for m in range(per_lane):
-                    c = lane + m * WARP
-                    if c < dim:
-                        v = row_vals[m]
-                        if (t == 0 or precedes(prev_v, prev_i, v, c)) and (
-                                best_i == dim or precedes(v, c, best_v, best_i)):
-                            best_v = v
-                            best_i = c
-                best_v, best_i = warp_best(best_v, best_i, lane, warp, scratch_v, scratch_i)
-                if active and lane == 0:
-                    values[row, t] = best_v
-                    indices[row, t] = best_i
-                prev_v = best_v
-                prev_i = best_i
+                    c = lane + uint32(m * WARP)
+                    keys[m] = order_key(x_bits[row, c]) if c < d32 else zero  # 0: below every key
+                # threshold = the largest T with at least k keys >= T
+                threshold = zero
+                exact = False  # exactly k keys >= threshold: no ties to break
+                for bit in range(31, -1, -1):
+                    candidate = threshold | (one << uint32(bit))
+                    n = zero
+                    for m in range(per_lane):
+                        if keys[m] >= candidate:
+                            n += one
+                    n = count_all(n, lane, mine)
+                    if n >= kk:
+                        threshold = candidate
+                        if n == kk:
+                            exact = True
+                            break
+                ties_wanted = zero
+                if not exact:
+                    n = zero
+                    for m in range(per_lane):
+                        if keys[m] > threshold:
+                            n += one
+                    ties_wanted = kk - count_all(n, lane, mine)
+                written = zero
+                ties_seen = zero
+                for m in range(per_lane):
+                    key = keys[m]
+                    tie = key == threshold and not exact
+                    tie_below, tie_total = rank(tie, lane, mine)
+                    take = key > threshold or (key == threshold and exact) or (
+                        tie and ties_seen + tie_below < ties_wanted)
+                    below, total = rank(take, lane, mine)
+                    if take:
+                        c = lane + uint32(m * WARP)
+                        values[row, written + below] = x[row, c]
+                        indices[row, written + below] = c
+                    written += total
+                    ties_seen += tie_total
 
     return maxk_select
 

@@ -36,22 +36,20 @@ def _check_features(x: Tensor, what: str = "x") -> None:
         raise TypeError(f"{what} must be a floating point tensor, got {x.dtype}")
 
 
-def _select_kernel_wins(k: int, dim: int) -> bool:
-    """Whether the Numba select kernel beats :func:`torch.topk`. It takes k
-    rounds of warp arg-max over the row, O(k * dim / 32) per row; measured on
-    an H200 (232,965 rows): faster than topk up to k=16 at dim >= 128 (k=8:
-    1.2 vs 2.8 ms at dim 256), slower from k=32 (4.5 vs 3.1 ms). A radix
-    select kernel (k-independent) measured no faster than topk at k=32 and
-    was not kept."""
-    return k <= 8 or (k <= 16 and dim >= 128)
+#: Widest rows the Numba select kernel takes (each lane holds dim / 32 keys in
+#: registers); measured on an H200 up to this width, where it beat
+#: :func:`torch.topk` 2.8-7x for every k (232,965 and 2,449,029 rows).
+MAX_SELECT_DIM = 1024
 
 
 def maxk(x: Tensor, k: int, *, dropout: float = 0.0, training: bool = False) -> CBSR:
-    r"""Keep the ``k`` largest entries of every row of ``x`` (as
-    :func:`torch.topk` picks them) and return them as a :class:`CBSR`.
+    r"""Keep the ``k`` largest entries of every row of ``x`` (the entries
+    :func:`torch.topk` keeps) and return them as a :class:`CBSR`.
 
     Gradients flow to the kept entries only. ``k >= x.size(1)`` keeps every
-    entry (the identity). ``dropout`` is applied to the kept values, as in the
+    entry (the identity). The ``"numba"`` backend writes each row's entries in
+    column order (among tied values it keeps the lowest columns), the others
+    in :func:`torch.topk` order; nothing downstream depends on the order. ``dropout`` is applied to the kept values, as in the
     MaxK-GNN paper.
 
     Args:
@@ -69,7 +67,7 @@ def maxk(x: Tensor, k: int, *, dropout: float = 0.0, training: bool = False) -> 
     if k >= dim:
         indices = torch.arange(dim, device=x.device, dtype=index_dtype_for(dim))
         out = CBSR(x, indices.expand(n, dim), dim)
-    elif resolve_backend(x) == "numba" and _select_kernel_wins(k, dim):
+    elif resolve_backend(x) == "numba" and dim <= MAX_SELECT_DIM:
         from .numba_ops import maxk_select
         values, indices = maxk_select(x, k)
         out = CBSR(values, indices, dim)

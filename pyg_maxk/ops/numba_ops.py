@@ -162,9 +162,11 @@ def maxk_select_op(x: Tensor, k: int) -> Tuple[Tensor, Tensor]:
     indices = torch.empty(n, k, dtype=index_dtype_for(dim), device=x.device)
     if n > 0:
         run = launcher()
-        threads = WARP * ROWS_PER_BLOCK
-        blocks = min(-(-n // ROWS_PER_BLOCK), run.max_blocks(x.device, threads))
-        run(select_kernel(dim, k), blocks, threads, x.device, x32, values, indices, n)
+        rows_per_block = 1 if run.simulator else ROWS_PER_BLOCK
+        threads = WARP * rows_per_block
+        blocks = min(-(-n // rows_per_block), run.max_blocks(x.device, threads))
+        run(select_kernel(dim, k, rows_per_block), blocks, threads, x.device, x32,
+            x32.view(torch.int32), values, indices, n)
     return values.to(x.dtype), indices
 
 
@@ -209,7 +211,8 @@ maxk_select_op.register_autograd(_maxk_backward, setup_context=_maxk_setup)
 
 def maxk_select(x: Tensor, k: int) -> Tuple[Tensor, Tensor]:
     """``(values [N, k], indices [N, k])`` of the ``k`` largest entries per
-    row, in :func:`torch.topk` order."""
+    row (the entries :func:`torch.topk` keeps; ties to the lowest column), in
+    column order."""
     return maxk_select_op(x, k)
 
 
