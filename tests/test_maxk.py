@@ -92,3 +92,26 @@ def test_maxk_module():
     assert "k=3" in repr(m)
     with pytest.raises(ValueError):
         MaxK(0)
+
+
+def test_cbsr_linear_matches_dense_linear_and_saves_no_dense_input():
+    torch.manual_seed(0)
+    x = torch.randn(40, 24, dtype=torch.float64)
+    weight = torch.randn(7, 24, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(7, dtype=torch.float64, requires_grad=True)
+    h = pyg_maxk.maxk(x.clone().requires_grad_(), 5)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t,
+                                                  lambda t: t):
+        out = pyg_maxk.ops.cbsr_linear(h, weight, bias)
+    assert torch.Size([40, 24]) not in saved  # only the [40, 5] CBSR and the weight
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (h.values, weight, bias), g)
+    ref_out = torch.nn.functional.linear(h.to_dense(), weight, bias)
+    ref = torch.autograd.grad(ref_out, (h.values, weight, bias), g)
+    torch.testing.assert_close(out, ref_out)
+    for a, b in zip(grads, ref):
+        torch.testing.assert_close(a, b)
+    full = pyg_maxk.maxk(x, 24)  # k == dim: a plain linear
+    torch.testing.assert_close(pyg_maxk.ops.cbsr_linear(full, weight),
+                               torch.nn.functional.linear(x, weight))

@@ -4,9 +4,11 @@ from typing import List, Optional, Tuple, Union
 
 import torch.nn.functional as F
 from torch import Tensor
-from torch_geometric.nn.dense.linear import Linear
+from torch_geometric.nn.dense.linear import Linear, is_uninitialized_parameter
 from torch_geometric.typing import Adj, Size
 
+from ..cbsr import CBSR
+from ..ops import cbsr_linear
 from .conv_base import Features, MaxKConv, PairFeatures
 
 
@@ -87,11 +89,18 @@ class MaxKSAGEConv(MaxKConv):
 
         if self.root_weight and x_dst is not None:
             h_dst = h_src if x_dst is x_src else self.sparsify(x_dst)
-            out = out + self.lin_r(h_dst.to_dense())
+            out = out + self.root_term(h_dst)
 
         if self.normalize:
             out = F.normalize(out, p=2., dim=-1)
         return out
+
+    def root_term(self, h: CBSR) -> Tensor:
+        """``lin_r(h)`` keeping only the CBSR of ``h`` for the backward (the
+        dense ``[N, dim]`` input of ``lin_r`` would otherwise stay alive)."""
+        if is_uninitialized_parameter(self.lin_r.weight):
+            return self.lin_r(h.to_dense())  # lazy in_channels=-1: sizes the weight
+        return cbsr_linear(h, self.lin_r.weight, self.lin_r.bias)
 
     def __repr__(self) -> str:
         return (f"{self.__class__.__name__}({self.in_channels}, "

@@ -111,4 +111,48 @@ def aggregate(graph: CSRGraph, h: Union[CBSR, Tensor]) -> Tensor:
     return torch.sparse.mm(graph.torch_csr(h.dtype), h.to_dense())
 
 
-__all__ = ["maxk", "aggregate", "check_k"]
+class _CBSRLinear(torch.autograd.Function):
+    """``F.linear(h.to_dense(), weight, bias)`` that keeps only ``h``'s CBSR
+    for the backward and rebuilds the dense matrix there, rather than holding
+    an ``[N, dim]`` dense input between forward and backward."""
+
+    @staticmethod
+    def forward(ctx, values: Tensor, indices: Tensor, dim: int, weight: Tensor, bias):
+        dense = CBSR(values, indices, dim).to_dense()
+        ctx.save_for_backward(values, indices, weight)
+        ctx.dim = dim
+        return F.linear(dense, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        values, indices, weight = ctx.saved_tensors
+        grad_values = grad_weight = grad_bias = None
+        w = weight.to(grad_out.dtype)  # autocast's forward may have run in half
+        if ctx.needs_input_grad[0]:
+            grad_values = (grad_out @ w).gather(1, indices.long()).to(values.dtype)
+        if ctx.needs_input_grad[3]:
+            dense = CBSR(values.to(grad_out.dtype), indices, ctx.dim).to_dense()
+            grad_weight = (grad_out.t() @ dense).to(weight.dtype)
+        if ctx.needs_input_grad[4]:
+            grad_bias = grad_out.sum(0).to(weight.dtype)
+        return grad_values, None, None, grad_weight, grad_bias
+
+
+def cbsr_linear(h: CBSR, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    r"""``h.to_dense() @ weight.T + bias``, saving only the CBSR (``[N, k]``)
+    for the backward instead of the ``[N, dim]`` dense input.
+
+    Args:
+        h (CBSR): ``[N, dim]`` sparse input.
+        weight (torch.Tensor): ``[out, dim]``.
+        bias (torch.Tensor, optional): ``[out]``.
+
+    Returns:
+        ``[N, out]`` dense tensor.
+    """
+    if h.is_full:
+        return F.linear(h.values, weight, bias)
+    return _CBSRLinear.apply(h.values, h.indices, h.dim, weight, bias)
+
+
+__all__ = ["maxk", "aggregate", "cbsr_linear", "check_k"]
