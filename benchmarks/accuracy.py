@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pyg_maxk.datasets import load_dataset  # noqa: E402
 from pyg_maxk.training import TrainConfig, train_full_batch  # noqa: E402
 
-from common import RESULTS, environment, write_json  # noqa: E402
+from common import RESULTS, environment, pyplot, write_json  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -106,11 +106,8 @@ def markdown(rows, ks, hidden) -> str:
 
 
 def plot(rows, path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # pragma: no cover
+    plt = pyplot()
+    if plt is None:
         return
     labels = [f"{r['dataset']}\n{r['model']}" for r in rows]
     keys = list(rows[0]["results"]) if rows else []

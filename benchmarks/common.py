@@ -80,6 +80,29 @@ def write_json(name: str, payload: Dict[str, object], out_dir: Path = RESULTS) -
     return path
 
 
+def save(name: str, payload: Dict[str, object], out_dir, draw) -> Path:
+    """Write ``name.json`` and, through ``draw(png_path, hardware)``,
+    ``name.png`` into ``out_dir``."""
+    out_dir = Path(out_dir)
+    path = write_json(name, payload, out_dir)
+    draw(out_dir / f"{name}.png", payload["environment"].get("gpu", "CPU"))
+    print(f"wrote {path}")
+    return path
+
+
+def pyplot():
+    """``matplotlib.pyplot`` on the non-interactive Agg backend, or None (with
+    a message) when matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover
+        print("matplotlib missing: no plot")
+        return None
+    return plt
+
+
 def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp(min=1e-30))

@@ -22,7 +22,7 @@ import pyg_maxk  # noqa: E402
 from pyg_maxk import CSRGraph  # noqa: E402
 from pyg_maxk.datasets import PRESETS, power_law_edge_index  # noqa: E402
 
-from common import RESULTS, environment, rel_error, time_ms, write_json  # noqa: E402
+from common import RESULTS, environment, pyplot, rel_error, save, time_ms  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -129,19 +129,12 @@ def main(argv=None):
                          "max_in_degree": int(graph.in_degree().max()),
                          "build_ms": t_build["median_ms"]},
                "rows": rows}
-    out_dir = Path(args.out)
-    path = write_json(name, payload, out_dir)
-    plot(rows, out_dir / f"{name}.png", payload["environment"].get("gpu", "CPU"))
-    print(f"wrote {path}")
+    save(name, payload, args.out, lambda png, hardware: plot(rows, png, hardware))
 
 
 def plot(rows, path, hardware):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # pragma: no cover
-        print("matplotlib missing: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for key, ax, title in (("speedup_spgemm", axes[0], "forward SpGEMM vs cuSPARSE SpMM"),

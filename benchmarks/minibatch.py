@@ -28,7 +28,7 @@ from pyg_maxk.datasets import load_dataset  # noqa: E402
 from pyg_maxk.nn import MaxKGraphSAGE  # noqa: E402
 from pyg_maxk.training import TrainConfig, neighbor_loader  # noqa: E402
 
-from common import RESULTS, environment, time_ms, write_json  # noqa: E402
+from common import RESULTS, environment, pyplot, save, time_ms  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -121,18 +121,12 @@ def main(argv=None):
           f"seeds/s speedup {result['speedup_seeds_per_s']:.2f}x", flush=True)
     name = "minibatch-tiny" if args.tiny else "minibatch"
     payload = {"benchmark": "minibatch", "environment": environment(device), "result": result}
-    out_dir = Path(args.out)
-    path = write_json(name, payload, out_dir)
-    plot(result, out_dir / f"{name}.png", payload["environment"].get("gpu", "CPU"))
-    print(f"wrote {path}")
+    save(name, payload, args.out, lambda png, hardware: plot(result, png, hardware))
 
 
 def plot(r, path, hardware) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # pragma: no cover
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
     axes[0].bar(["stock", "MaxK", "MaxK: graph build"],

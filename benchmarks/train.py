@@ -42,7 +42,7 @@ from pyg_maxk.backend import resolve_backend  # noqa: E402
 from pyg_maxk.datasets import PRESETS, power_law_edge_index  # noqa: E402
 from pyg_maxk.nn import MaxKGCN, MaxKGIN, MaxKGraphSAGE  # noqa: E402
 
-from common import RESULTS, environment, rel_error, time_ms, write_json  # noqa: E402
+from common import RESULTS, environment, pyplot, rel_error, time_ms, write_json  # noqa: E402
 
 MODELS = {"sage": MaxKGraphSAGE, "gcn": MaxKGCN, "gin": MaxKGIN}
 #: Graph shape and model depth of each workload (the MaxK-GNN paper's models).
@@ -268,12 +268,8 @@ def main(argv=None):
 
 
 def plot(payload, path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # pragma: no cover
-        print("matplotlib missing: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     workloads = payload["workloads"]
     fig, axes = plt.subplots(1, len(workloads), figsize=(5.5 * len(workloads), 4), squeeze=False)

@@ -1,0 +1,171 @@
+"""The floor under the SpGEMM: how fast can the GPU gather CBSR rows at all?
+
+    python benchmarks/gather_ceiling.py          # GPU, Reddit-shaped graph
+    python benchmarks/gather_ceiling.py --tiny   # CPU smoke run (Numba's simulator)
+
+For every edge the SpGEMM reads its source node's CBSR row: ``k`` float32
+values and ``k`` uint8 indices. On the Reddit-shaped graph the whole CBSR
+(232,965 x 32 x 5 bytes = 37 MB at k=32) fits in an H200's L2, so these are
+scattered 32-byte-sector reads from L2. The kernel below does only that -- a
+warp per run of edges, its lanes reading rows exactly as the SpGEMM's do, with
+the same number of loads in flight -- and sums what it reads. Its time is a
+floor for the SpGEMM at the same ``k``; the JSON puts the two side by side,
+with the sector rate achieved.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+from pathlib import Path
+
+if "--tiny" in sys.argv:  # before Numba is imported
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import pyg_maxk  # noqa: E402
+from pyg_maxk import CSRGraph  # noqa: E402
+from pyg_maxk.datasets import PRESETS, power_law_edge_index  # noqa: E402
+from pyg_maxk.kernels import cuda_module  # noqa: E402
+from pyg_maxk.kernels._warp import WARP  # noqa: E402
+from pyg_maxk.kernels.spgemm import UNROLL  # noqa: E402
+from pyg_maxk.ops import numba_ops  # noqa: E402
+
+from common import RESULTS, environment, pyplot, save, time_ms  # noqa: E402
+
+cuda = cuda_module()
+from numba import float32, uint32  # noqa: E402
+
+
+@functools.lru_cache(maxsize=None)
+def gather_kernel(k: int, read_indices: bool, warps: int):
+    """Sum the CBSR rows of every edge's source (values, and indices when
+    ``read_indices``), ``UNROLL`` rows in flight per lane, as the SpGEMM."""
+    lanes, groups, chunks = min(k, WARP), max(1, WARP // k), -(-k // WARP)
+    kk, last_slot, n_lanes, n_groups = uint32(k), uint32(k - 1), uint32(lanes), uint32(groups)
+    per_item = uint32(max(1, numba_ops.PAIRS_PER_ITEM // k))
+    w32, n_warps, one = uint32(WARP), uint32(warps), uint32(1)
+
+    @cuda.jit
+    def gather(col, values, indices, out, num_edges):
+        lane = uint32(cuda.threadIdx.x) % w32
+        warp = uint32(cuda.threadIdx.x) // w32
+        group = lane // n_lanes
+        slot = lane - group * n_lanes
+        val = cuda.local.array(UNROLL, float32)
+        pos = cuda.local.array(UNROLL, uint32)
+        acc = float32(0.0)
+        seen = uint32(0)
+        num_items = (uint32(num_edges) + per_item - one) // per_item
+        for item in range(uint32(cuda.blockIdx.x) * n_warps + warp, num_items,
+                          uint32(cuda.gridDim.x) * n_warps):
+            e0 = item * per_item
+            e1 = min(e0 + per_item, uint32(num_edges))
+            for e in range(e0 + group, e1, n_groups * uint32(UNROLL)):
+                for c in range(chunks):
+                    j = min(slot + uint32(c * WARP), last_slot)
+                    for u in range(UNROLL):
+                        s = uint32(col[min(e + uint32(u) * n_groups, e1 - one)]) * kk + j
+                        val[u] = values[s]
+                        if read_indices:
+                            pos[u] = uint32(indices[s])
+                    for u in range(UNROLL):
+                        acc += val[u]
+                        if read_indices:
+                            seen += pos[u]
+        out[uint32(cuda.blockIdx.x) * uint32(cuda.blockDim.x) + uint32(cuda.threadIdx.x)] = \
+            acc + float32(seen)
+
+    return gather
+
+
+def sectors(nbytes: int) -> int:
+    """32-byte sectors one row of ``nbytes`` (a power of two) touches."""
+    return -(-nbytes // 32)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="small CPU smoke run (simulator)")
+    p.add_argument("--ks", default="2,4,8,16,32,64")
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--out", default=str(RESULTS))
+    args = p.parse_args(argv)
+    if args.tiny:
+        device, nodes, edges, max_deg, ks, repeats = torch.device("cpu"), 100, 500, 50, [4], 1
+    else:
+        device = torch.device("cuda")
+        reddit = PRESETS["reddit-like"]
+        nodes, edges, max_deg = reddit.num_nodes, reddit.num_edges, reddit.max_degree
+        ks, repeats = [int(k) for k in args.ks.split(",")], args.repeats
+    ei = power_law_edge_index(nodes, edges, max_degree=max_deg, seed=0, device=device)
+    graph = CSRGraph.from_adj(ei, (nodes, nodes), normalization="mean")
+    del ei
+    col = graph.kernel_col()
+    run = numba_ops.launcher()
+    threads = run.threads
+    blocks = run.max_blocks(device, threads)
+    out = torch.empty(blocks * threads, device=device)
+    x = torch.randn(nodes, args.dim, device=device)
+    dense_ms = time_ms(lambda: torch.sparse.mm(graph.torch_csr(torch.float32), x), device,
+                       repeats=repeats)["median_ms"]
+    rows = []
+    warmup = 1 if args.tiny else 3
+    for k in ks:
+        h = pyg_maxk.maxk(x, k)
+        with pyg_maxk.use_backend("numba"):
+            spgemm_ms = time_ms(lambda: pyg_maxk.aggregate(graph, h), device, warmup=warmup,
+                                repeats=repeats)["median_ms"]
+        values, indices = h.values.reshape(-1), h.indices.reshape(-1)
+        row = {"k": k, "dim": args.dim, "cusparse_spmm_ms": dense_ms, "maxk_spgemm_ms": spgemm_ms}
+        for name, with_indices in (("values", False), ("cbsr", True)):
+            kernel = gather_kernel(k, with_indices, threads // WARP)
+            ms = time_ms(lambda: run(kernel, blocks, threads, device, col, values, indices, out,
+                                     col.numel()), device, warmup=warmup,
+                         repeats=repeats)["median_ms"]
+            per_edge = sectors(4 * k) + (sectors(k) if with_indices else 0)
+            row[f"gather_{name}_ms"] = ms
+            row[f"gather_{name}_sectors_per_edge"] = per_edge
+            row[f"gather_{name}_gsectors_per_s"] = graph.num_edges * per_edge / ms / 1e6
+        row["spgemm_over_gather"] = spgemm_ms / row["gather_cbsr_ms"]
+        rows.append(row)
+        print(f"k {k:3d}: gather values {row['gather_values_ms']:.3f} ms, CBSR "
+              f"{row['gather_cbsr_ms']:.3f} ms ({row['gather_cbsr_gsectors_per_s']:.0f} G sectors/s)"
+              f" | SpGEMM {spgemm_ms:.3f} ms ({row['spgemm_over_gather']:.2f}x the gather) | "
+              f"cuSPARSE {dense_ms:.3f} ms", flush=True)
+    name = "gather_ceiling-tiny" if args.tiny else "gather_ceiling"
+    payload = {"benchmark": "gather_ceiling", "environment": environment(device),
+               "graph": {"nodes": nodes, "edges": graph.num_edges}, "unroll": UNROLL,
+               "rows": rows}
+    save(name, payload, args.out, lambda png, hardware: plot(rows, png, hardware))
+
+
+def plot(rows, path, hardware):
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ks = [r["k"] for r in rows]
+    for key, label in (("maxk_spgemm_ms", "MaxK SpGEMM"), ("gather_cbsr_ms", "gather CBSR rows only"),
+                       ("gather_values_ms", "gather values only"),
+                       ("cusparse_spmm_ms", "cuSPARSE SpMM (dense)")):
+        ax.plot(ks, [r[key] for r in rows], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("k")
+    ax.set_ylabel("ms")
+    ax.set_title(f"SpGEMM vs its gather floor, {hardware}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
