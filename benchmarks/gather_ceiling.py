@@ -137,7 +137,8 @@ def main(argv=None):
         row["spgemm_over_gather"] = spgemm_ms / row["gather_cbsr_ms"]
         rows.append(row)
         print(f"k {k:3d}: gather values {row['gather_values_ms']:.3f} ms, CBSR "
-              f"{row['gather_cbsr_ms']:.3f} ms ({row['gather_cbsr_gsectors_per_s']:.0f} G sectors/s)"
+              f"{row['gather_cbsr_ms']:.3f} ms "
+              f"({row['gather_cbsr_gsectors_per_s']:.0f} G sectors/s)"
               f" | SpGEMM {spgemm_ms:.3f} ms ({row['spgemm_over_gather']:.2f}x the gather) | "
               f"cuSPARSE {dense_ms:.3f} ms", flush=True)
     name = "gather_ceiling-tiny" if args.tiny else "gather_ceiling"
@@ -153,7 +154,8 @@ def plot(rows, path, hardware):
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     ks = [r["k"] for r in rows]
-    for key, label in (("maxk_spgemm_ms", "MaxK SpGEMM"), ("gather_cbsr_ms", "gather CBSR rows only"),
+    for key, label in (("maxk_spgemm_ms", "MaxK SpGEMM"),
+                       ("gather_cbsr_ms", "gather CBSR rows only"),
                        ("gather_values_ms", "gather values only"),
                        ("cusparse_spmm_ms", "cuSPARSE SpMM (dense)")):
         ax.plot(ks, [r[key] for r in rows], marker="o", label=label)

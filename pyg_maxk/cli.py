@@ -89,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _config(args, device: str) -> TrainConfig:
     return TrainConfig(model=args.model, k=args.k, hidden=args.hidden, layers=args.layers,
-                       epochs=args.epochs, lr=args.lr, weight_decay=args.weight_decay, dropout=args.dropout, seed=args.seed,
+                       epochs=args.epochs, lr=args.lr, weight_decay=args.weight_decay,
+                       dropout=args.dropout, seed=args.seed,
                        device=device, fanout=args.fanout, batch_size=args.batch_size,
                        num_workers=args.num_workers, log_every=args.log_every,
                        progress=False if args.no_progress else None)

@@ -111,12 +111,6 @@ def _layout(k: int, groups: int):
     return lanes, lanes * groups, -(-k // WARP)
 
 
-# Integer discipline for every kernel below: Numba types a mix of signed and
-# unsigned 64-bit integers as float64, so one stray ``int`` operand turned the
-# loop tests into I2F.F64 + DSETP in SASS. Every index is uint32 (also sparing
-# the negative-index wraparound code Numba emits for signed indices).
-
-
 @functools.lru_cache(maxsize=None)
 def spgemm_kernel(dim: int, k: int, threads: int, weighted: bool):
     """The compiled forward kernel for one ``(dim, k, threads, weighted)``."""
@@ -206,7 +200,7 @@ def sspmm_kernel(dim: int, k: int, threads: int, weighted: bool):
     lanes, active_lanes, chunks = _layout(k, groups)
     kk = uint32(k)
     n_lanes, n_groups, n_warps = uint32(lanes), uint32(groups), uint32(warps)
-    w32, d32, zero, one = uint32(WARP), uint32(dim), uint32(0), uint32(1)
+    w32, d32, zero = uint32(WARP), uint32(dim), uint32(0)
     round_step = uint32(groups * UNROLL)
     sync = warp_sync()
     stage = _stager(k, weighted)

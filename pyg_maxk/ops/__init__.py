@@ -49,8 +49,8 @@ def maxk(x: Tensor, k: int, *, dropout: float = 0.0, training: bool = False) -> 
     Gradients flow to the kept entries only. ``k >= x.size(1)`` keeps every
     entry (the identity). The ``"numba"`` backend writes each row's entries in
     column order (among tied values it keeps the lowest columns), the others
-    in :func:`torch.topk` order; nothing downstream depends on the order. ``dropout`` is applied to the kept values, as in the
-    MaxK-GNN paper.
+    in :func:`torch.topk` order; nothing downstream depends on the order.
+    ``dropout`` is applied to the kept values, as in the MaxK-GNN paper.
 
     Args:
         x (torch.Tensor): ``[N, dim]`` features.
