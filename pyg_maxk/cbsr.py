@@ -89,7 +89,8 @@ class CBSR:
     def to_dense(self) -> Tensor:
         """The dense ``[N, dim]`` matrix; differentiable w.r.t. ``values``."""
         out = self.values.new_zeros(self.num_rows, self.dim)
-        return out.scatter(1, self.long_indices(), self.values)
+        # In place: out-of-place scatter would copy the zeros once more.
+        return out.scatter_(1, self.long_indices(), self.values)
 
     def add_to(self, dense: Tensor, alpha: Optional[Tensor | float] = None) -> Tensor:
         """``dense + alpha * self`` without materialising ``self`` densely."""

@@ -62,5 +62,15 @@ def numba_status() -> NumbaStatus:
     return NumbaStatus(True, False, True, "ok")
 
 
+def kernel_jit(**options):
+    """``cuda.jit(**options)`` as a kernel decorator; plain ``cuda.jit`` under
+    Numba's simulator, which takes no code-generation options (such as
+    ``max_registers``)."""
+    cuda = cuda_module()
+    if simulator_enabled():
+        return cuda.jit
+    return cuda.jit(**options)
+
+
 def simulator_enabled() -> bool:
     return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0") or numba_status().simulator
