@@ -33,7 +33,7 @@ from pyg_maxk import CSRGraph  # noqa: E402
 from pyg_maxk.datasets import PRESETS, power_law_edge_index  # noqa: E402
 from pyg_maxk.kernels import cuda_module  # noqa: E402
 from pyg_maxk.kernels._warp import WARP  # noqa: E402
-from pyg_maxk.kernels.spgemm import UNROLL  # noqa: E402
+from pyg_maxk.kernels.spgemm import spgemm_unroll  # noqa: E402
 from pyg_maxk.ops import numba_ops  # noqa: E402
 
 from common import RESULTS, environment, pyplot, save, time_ms  # noqa: E402
@@ -45,11 +45,12 @@ from numba import float32, uint32  # noqa: E402
 @functools.lru_cache(maxsize=None)
 def gather_kernel(k: int, read_indices: bool, warps: int):
     """Sum the CBSR rows of every edge's source (values, and indices when
-    ``read_indices``), ``UNROLL`` rows in flight per lane, as the SpGEMM."""
+    ``read_indices``), as many rows in flight per lane as the SpGEMM."""
     lanes, groups, chunks = min(k, WARP), max(1, WARP // k), -(-k // WARP)
     kk, last_slot, n_lanes, n_groups = uint32(k), uint32(k - 1), uint32(lanes), uint32(groups)
     per_item = uint32(max(1, numba_ops.PAIRS_PER_ITEM // k))
     w32, n_warps, one = uint32(WARP), uint32(warps), uint32(1)
+    unroll = spgemm_unroll(k)
 
     @cuda.jit
     def gather(col, values, indices, out, num_edges):
@@ -57,8 +58,8 @@ def gather_kernel(k: int, read_indices: bool, warps: int):
         warp = uint32(cuda.threadIdx.x) // w32
         group = lane // n_lanes
         slot = lane - group * n_lanes
-        val = cuda.local.array(UNROLL, float32)
-        pos = cuda.local.array(UNROLL, uint32)
+        val = cuda.local.array(unroll, float32)
+        pos = cuda.local.array(unroll, uint32)
         acc = float32(0.0)
         seen = uint32(0)
         num_items = (uint32(num_edges) + per_item - one) // per_item
@@ -66,15 +67,15 @@ def gather_kernel(k: int, read_indices: bool, warps: int):
                           uint32(cuda.gridDim.x) * n_warps):
             e0 = item * per_item
             e1 = min(e0 + per_item, uint32(num_edges))
-            for e in range(e0 + group, e1, n_groups * uint32(UNROLL)):
+            for e in range(e0 + group, e1, n_groups * uint32(unroll)):
                 for c in range(chunks):
                     j = min(slot + uint32(c * WARP), last_slot)
-                    for u in range(UNROLL):
+                    for u in range(unroll):
                         s = uint32(col[min(e + uint32(u) * n_groups, e1 - one)]) * kk + j
                         val[u] = values[s]
                         if read_indices:
                             pos[u] = uint32(indices[s])
-                    for u in range(UNROLL):
+                    for u in range(unroll):
                         acc += val[u]
                         if read_indices:
                             seen += pos[u]
@@ -124,7 +125,8 @@ def main(argv=None):
             spgemm_ms = time_ms(lambda: pyg_maxk.aggregate(graph, h), device, warmup=warmup,
                                 repeats=repeats)["median_ms"]
         values, indices = h.values.reshape(-1), h.indices.reshape(-1)
-        row = {"k": k, "dim": args.dim, "cusparse_spmm_ms": dense_ms, "maxk_spgemm_ms": spgemm_ms}
+        row = {"k": k, "dim": args.dim, "unroll": spgemm_unroll(k), "cusparse_spmm_ms": dense_ms,
+               "maxk_spgemm_ms": spgemm_ms}
         for name, with_indices in (("values", False), ("cbsr", True)):
             kernel = gather_kernel(k, with_indices, threads // WARP)
             ms = time_ms(lambda: run(kernel, blocks, threads, device, col, values, indices, out,
@@ -143,7 +145,7 @@ def main(argv=None):
               f"cuSPARSE {dense_ms:.3f} ms", flush=True)
     name = "gather_ceiling-tiny" if args.tiny else "gather_ceiling"
     payload = {"benchmark": "gather_ceiling", "environment": environment(device),
-               "graph": {"nodes": nodes, "edges": graph.num_edges}, "unroll": UNROLL,
+               "graph": {"nodes": nodes, "edges": graph.num_edges},
                "rows": rows}
     save(name, payload, args.out, lambda png, hardware: plot(rows, png, hardware))
 

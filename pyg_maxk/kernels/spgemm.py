@@ -32,9 +32,10 @@ Backward (outer-product style, from the same CSR)::
     for each neighbour s = col[e] taken by group g, lane j:
         grad_values[s, j] += a_e * buf[indices[s, j]]    # coalesced global atomics
 
-Each lane keeps ``UNROLL`` neighbours' loads in flight: the warp loads 32
-column ids at once (one coalesced load), then issues the loads of ``UNROLL``
-neighbours before using any. The CBSR arrays are passed flattened
+Each lane keeps several neighbours' loads in flight (:func:`spgemm_unroll`
+forward, ``SSPMM_UNROLL`` backward): the warp loads 32 column ids at once
+(one coalesced load), then issues the loads of those neighbours before using
+any. The CBSR arrays are passed flattened
 (``[N * k]``). What the SASS (``cuobjdump -sass``, H200) showed and what
 was done about it:
 
@@ -50,14 +51,15 @@ was done about it:
 * loads in flight per warp matter more than warps per SM: at 4 neighbours
   per lane (56 registers, 36 warps/SM) the forward took 6.55 ms at k=32 and
   2.54 ms at k=8; at 8 neighbours capped to 64 registers (32 warps/SM) it
-  takes 5.77 and 2.34 ms (backward unchanged, 5.3 and 2.5 ms). Capping 4
-  neighbours to 40 registers for full occupancy was slower (spills), and
-  the gather below at 36 instead of 64 warps/SM is only 7% slower.
+  takes 5.77 and 2.34 ms. Capping 4 neighbours to 40 registers for full
+  occupancy was slower (spills), and the gather below at 36 instead of 64
+  warps/SM is only 7% slower. :func:`spgemm_unroll` keeps 4 where 8
+  measured slower (k < 8 and k > 32).
 
 What remains is the gather itself: ``benchmarks/gather_ceiling.py`` reads
 exactly the CBSR rows the forward reads, the same way, and nothing else; at
-k=32, dim 256 on the Reddit-shaped graph it takes 4.7 ms (about 120 G
-sectors/s from L2) against the forward's 6.6-7.0 ms. Fewer bytes per edge
+k=32, dim 256 on the Reddit-shaped graph it takes 4.4 ms (about 130 G
+sectors/s from L2) against the forward's 5.8-6.2 ms. Fewer bytes per edge
 (e.g. bfloat16 values) would lower that floor; better code cannot.
 
 Lanes synchronise with :func:`~._warp.warp_sync` (``syncwarp``; in Numba's
@@ -75,9 +77,9 @@ from ._warp import WARP, warp_sync
 cuda = cuda_module()
 from numba import float32, uint32  # noqa: E402 (after the numpy shim)
 
-#: Neighbours whose loads a lane issues before it applies their updates.
-UNROLL = 8
-#: Register cap of both kernels. Uncapped, ``UNROLL = 8`` takes 64-80
+#: Neighbours whose loads a lane of the backward issues before it uses them.
+SSPMM_UNROLL = 8
+#: Register cap of both kernels. Uncapped, 8 loads in flight take 64-80
 #: registers; at 64 ptxas spills at most 20 bytes and 32 warps fit per SM.
 MAX_REGISTERS = 64
 #: Static shared memory a kernel may use (the CUDA default per block).
@@ -90,6 +92,17 @@ def lane_groups(k: int, dim: int, warps: int) -> int:
     memory (0 when even one row per warp does not fit)."""
     rows_that_fit = (SHARED_BYTES - warps * WARP * 8) // (4 * dim * warps)
     return max(0, min(max(1, WARP // k), rows_that_fit))
+
+
+def spgemm_unroll(k: int) -> int:
+    """Neighbours whose loads a lane of the forward issues before it applies
+    their updates: 8 for ``8 <= k <= 32``, else 4, as measured on an H200
+    (Reddit-shaped graph, dim 256; 4 / 8 neighbours: k=2 3.6 / 4.4 ms, k=4
+    2.9 / 3.3 ms, k=8 2.5 / 2.4 ms, k=32 6.6 / 5.9 ms, k=64 10.9 / 12.8 ms).
+    Below k=8 a step's ``groups * unroll`` neighbours pass the 32 staged ones
+    and the clamped extra loads only cost; at k=64 a lane already has two
+    slots per neighbour."""
+    return 8 if 8 <= k <= WARP else 4
 
 
 def fits_shared_memory(k: int, dim: int, warps: int) -> bool:
@@ -131,7 +144,8 @@ def spgemm_kernel(dim: int, k: int, threads: int, weighted: bool):
     kk, last_slot = uint32(k), uint32(k - 1)
     n_lanes, n_groups, n_warps = uint32(lanes), uint32(groups), uint32(warps)
     w32, d32, zero, one = uint32(WARP), uint32(dim), uint32(0), uint32(1)
-    round_step = uint32(groups * UNROLL)
+    unroll = spgemm_unroll(k)
+    round_step = uint32(groups * unroll)
     sync = warp_sync()
     stage = _stager(k, weighted)
 
@@ -141,8 +155,8 @@ def spgemm_kernel(dim: int, k: int, threads: int, weighted: bool):
         acc = cuda.shared.array((warps, groups, dim), float32)
         nbr = cuda.shared.array((warps, WARP), uint32)    # neighbour * k
         nbr_w = cuda.shared.array((warps, WARP), float32)
-        val = cuda.local.array(UNROLL, float32)           # registers after unrolling
-        pos = cuda.local.array(UNROLL, uint32)
+        val = cuda.local.array(unroll, float32)           # registers after unrolling
+        pos = cuda.local.array(unroll, uint32)
         lane = uint32(cuda.threadIdx.x) % w32
         warp = uint32(cuda.threadIdx.x) // w32
         group = lane // n_lanes
@@ -167,14 +181,14 @@ def spgemm_kernel(dim: int, k: int, threads: int, weighted: bool):
                         j = slot + uint32(c * WARP)
                         live = active and j < kk
                         jj = min(j, last_slot)
-                        # All UNROLL loads are issued before any is used, without
+                        # All the loads are issued before any is used, without
                         # branches: a neighbour past the round's end is clamped to
                         # its last one (always in bounds); the update skips it.
-                        for u in range(UNROLL):
+                        for u in range(unroll):
                             s = nbr[warp, min(first + uint32(u) * n_groups, n - one)] + jj
                             val[u] = values[s]
                             pos[u] = uint32(indices[s])
-                        for u in range(UNROLL):
+                        for u in range(unroll):
                             q = first + uint32(u) * n_groups
                             if live and q < n:
                                 v = val[u]
@@ -210,7 +224,8 @@ def sspmm_kernel(dim: int, k: int, threads: int, weighted: bool):
     kk = uint32(k)
     n_lanes, n_groups, n_warps = uint32(lanes), uint32(groups), uint32(warps)
     w32, d32, zero = uint32(WARP), uint32(dim), uint32(0)
-    round_step = uint32(groups * UNROLL)
+    unroll = SSPMM_UNROLL
+    round_step = uint32(groups * unroll)
     sync = warp_sync()
     stage = _stager(k, weighted)
 
@@ -220,8 +235,8 @@ def sspmm_kernel(dim: int, k: int, threads: int, weighted: bool):
         buf = cuda.shared.array((warps, dim), float32)
         nbr = cuda.shared.array((warps, WARP), uint32)    # neighbour * k
         nbr_w = cuda.shared.array((warps, WARP), float32)
-        at = cuda.local.array(UNROLL, uint32)             # registers after unrolling
-        pos = cuda.local.array(UNROLL, uint32)
+        at = cuda.local.array(unroll, uint32)             # registers after unrolling
+        pos = cuda.local.array(unroll, uint32)
         lane = uint32(cuda.threadIdx.x) % w32
         warp = uint32(cuda.threadIdx.x) // w32
         group = lane // n_lanes
@@ -247,13 +262,13 @@ def sspmm_kernel(dim: int, k: int, threads: int, weighted: bool):
                         # Guarded loads here (unlike the forward's clamped ones):
                         # measured faster on an H200 (k=32: 5.4 vs 7.0 ms), as
                         # the fire-and-forget atomics never wait on them.
-                        for u in range(UNROLL):
+                        for u in range(unroll):
                             q = first + uint32(u) * n_groups
                             if live and q < n:
                                 s = nbr[warp, q] + j
                                 at[u] = s
                                 pos[u] = uint32(indices[s])
-                        for u in range(UNROLL):
+                        for u in range(unroll):
                             q = first + uint32(u) * n_groups
                             if live and q < n:
                                 g = buf[warp, pos[u]]
