@@ -109,6 +109,20 @@ def test_one_lane_groups_and_slots_beyond_a_warp(dim, k):
     check_kernels(CSRGraph.from_adj(ei, (40, 30), edge_weight=w), dim=dim, k=k)
 
 
+@pytest.mark.parametrize("k", [5, 12, 32])
+def test_every_loads_in_flight_setting(k):
+    # spgemm_unroll gives 4 (k=5) or 8 (k=12, 32) neighbours per lane; a row of
+    # 70 edges ends its last staged round of 32 part-way through a step.
+    from pyg_maxk.kernels.spgemm import spgemm_unroll
+    assert spgemm_unroll(k) == (4 if k < 8 else 8)
+    src = torch.cat([torch.arange(70) % 35, torch.randint(0, 35, (90,),
+                                                          generator=torch.Generator().manual_seed(k))])
+    dst = torch.cat([torch.zeros(70, dtype=torch.long), torch.arange(90) % 19 + 1])
+    w = (torch.rand(160) + 0.1).to(DEVICE)
+    check_kernels(CSRGraph.from_adj(torch.stack([src, dst]).to(DEVICE), (35, 20), edge_weight=w),
+                  dim=48, k=k)
+
+
 def test_too_wide_for_shared_memory_falls_back_to_torch():
     from pyg_maxk.kernels.spgemm import SHARED_BYTES
     dim = SHARED_BYTES // 4 + 1
