@@ -115,8 +115,8 @@ def test_every_loads_in_flight_setting(k):
     # 70 edges ends its last staged round of 32 part-way through a step.
     from pyg_maxk.kernels.spgemm import spgemm_unroll
     assert spgemm_unroll(k) == (4 if k < 8 else 8)
-    src = torch.cat([torch.arange(70) % 35, torch.randint(0, 35, (90,),
-                                                          generator=torch.Generator().manual_seed(k))])
+    others = torch.randint(0, 35, (90,), generator=torch.Generator().manual_seed(k))
+    src = torch.cat([torch.arange(70) % 35, others])
     dst = torch.cat([torch.zeros(70, dtype=torch.long), torch.arange(90) % 19 + 1])
     w = (torch.rand(160) + 0.1).to(DEVICE)
     check_kernels(CSRGraph.from_adj(torch.stack([src, dst]).to(DEVICE), (35, 20), edge_weight=w),
