@@ -126,13 +126,13 @@ class _CBSRLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         values, indices, weight = ctx.saved_tensors
+        h = CBSR(values.to(grad_out.dtype), indices, ctx.dim)
         grad_values = grad_weight = grad_bias = None
         w = weight.to(grad_out.dtype)  # autocast's forward may have run in half
         if ctx.needs_input_grad[0]:
-            grad_values = (grad_out @ w).gather(1, indices.long()).to(values.dtype)
+            grad_values = (grad_out @ w).gather(1, h.long_indices()).to(values.dtype)
         if ctx.needs_input_grad[3]:
-            dense = CBSR(values.to(grad_out.dtype), indices, ctx.dim).to_dense()
-            grad_weight = (grad_out.t() @ dense).to(weight.dtype)
+            grad_weight = (grad_out.t() @ h.to_dense()).to(weight.dtype)
         if ctx.needs_input_grad[4]:
             grad_bias = grad_out.sum(0).to(weight.dtype)
         return grad_values, None, None, grad_weight, grad_bias
