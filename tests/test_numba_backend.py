@@ -109,18 +109,21 @@ def test_one_lane_groups_and_slots_beyond_a_warp(dim, k):
     check_kernels(CSRGraph.from_adj(ei, (40, 30), edge_weight=w), dim=dim, k=k)
 
 
-@pytest.mark.parametrize("k", [5, 12, 32])
+@pytest.mark.parametrize("k", [5, 12, 32, 64])
 def test_every_loads_in_flight_setting(k):
-    # spgemm_unroll gives 4 (k=5) or 8 (k=12, 32) neighbours per lane; a row of
-    # 70 edges ends its last staged round of 32 part-way through a step.
-    from pyg_maxk.kernels.spgemm import spgemm_unroll
-    assert spgemm_unroll(k) == (4 if k < 8 else 8)
+    # The forward issues 4 (k=5, 64) or 8 (k=12, 32) neighbours' loads per
+    # lane at a time, over staged rounds of 128 neighbours (k <= 32) or 32
+    # (k=64). A row of 300 edges spans several rounds, its last ending
+    # part-way through a step, and at k >= 32 several work items.
+    from pyg_maxk.kernels.spgemm import staged_round, spgemm_unroll
+    assert spgemm_unroll(k) == (8 if 8 <= k <= 32 else 4)
+    assert staged_round(k) == (128 if k <= 32 else 32)
     others = torch.randint(0, 35, (90,), generator=torch.Generator().manual_seed(k))
-    src = torch.cat([torch.arange(70) % 35, others])
-    dst = torch.cat([torch.zeros(70, dtype=torch.long), torch.arange(90) % 19 + 1])
-    w = (torch.rand(160) + 0.1).to(DEVICE)
+    src = torch.cat([torch.arange(300) % 35, others])
+    dst = torch.cat([torch.zeros(300, dtype=torch.long), torch.arange(90) % 19 + 1])
+    w = (torch.rand(390) + 0.1).to(DEVICE)
     check_kernels(CSRGraph.from_adj(torch.stack([src, dst]).to(DEVICE), (35, 20), edge_weight=w),
-                  dim=48, k=k)
+                  dim=80, k=k)
 
 
 def test_too_wide_for_shared_memory_falls_back_to_torch():

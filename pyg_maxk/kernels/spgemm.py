@@ -33,9 +33,9 @@ Backward (outer-product style, from the same CSR)::
         grad_values[s, j] += a_e * buf[indices[s, j]]    # coalesced global atomics
 
 Each lane keeps several neighbours' loads in flight (:func:`spgemm_unroll`
-forward, ``SSPMM_UNROLL`` backward): the warp loads 32 column ids at once
-(one coalesced load), then issues the loads of those neighbours before using
-any. The CBSR arrays are passed flattened
+forward, ``SSPMM_UNROLL`` backward): the warp stages a round of column ids
+in shared memory (:func:`staged_round`, coalesced loads), then issues the
+loads of several of those neighbours before using any. The CBSR arrays are passed flattened
 (``[N * k]``). What the SASS (``cuobjdump -sass``, H200) showed and what
 was done about it:
 
@@ -54,12 +54,25 @@ was done about it:
   takes 5.77 and 2.34 ms. Capping 4 neighbours to 40 registers for full
   occupancy was slower (spills), and the gather below at 36 instead of 64
   warps/SM is only 7% slower. :func:`spgemm_unroll` keeps 4 where 8
-  measured slower (k < 8 and k > 32).
+  measured slower (k < 8 and k > 32);
+* both kernels stage 128 neighbours per round for ``k <= 32`` (32 before):
+  fewer stage-and-sync rounds, and at small k a step's ``groups * unroll``
+  neighbours no longer run past the staged ones (clamped forward loads that
+  only cost, idle backward lanes). Forward at dim 256, 32 / 128 staged: k=1
+  3.70 / 2.64 ms, k=2 3.38 / 2.15, k=4 2.84 / 2.37, k=8 2.63 / 2.29, k=16
+  3.96 / 3.38, k=32 6.33 / 6.03; dims 64 and 512 gain likewise. Backward:
+  k=2 2.71 / 2.36, k=8 2.50 / 2.41, k=32 5.35 / 4.97 (dim 512: 6.06 /
+  5.16). At k=64 (two slots per lane) 128 staged was no faster (forward
+  10.85 / 11.26, backward 11.12 / 11.06 ms), so it keeps 32. A software-
+  pipelined forward (each update followed by the next step's load into the
+  registers it frees) measured no faster than this at any k <= 8 and dim
+  tried, and mostly slower (dim 256: k=2 2.61 vs 2.18 ms, k=8 2.47 vs
+  2.24 ms), so a step's loads are still all issued, then all used.
 
 What remains is the gather itself: ``benchmarks/gather_ceiling.py`` reads
 exactly the CBSR rows the forward reads, the same way, and nothing else; at
 k=32, dim 256 on the Reddit-shaped graph it takes 4.4 ms (about 130 G
-sectors/s from L2) against the forward's 5.8-6.2 ms. Fewer bytes per edge
+sectors/s from L2) against the forward's 5.6-6.0 ms. Fewer bytes per edge
 (e.g. bfloat16 values) would lower that floor; better code cannot.
 
 Lanes synchronise with :func:`~._warp.warp_sync` (``syncwarp``; in Numba's
@@ -86,22 +99,28 @@ MAX_REGISTERS = 64
 SHARED_BYTES = 48 * 1024
 
 
+def staged_round(k: int) -> int:
+    """Neighbours a kernel stages in shared memory per round: 128 while a
+    lane owns one slot (``k <= 32``), else 32, as measured (module docs)."""
+    return 128 if k <= WARP else WARP
+
+
 def lane_groups(k: int, dim: int, warps: int) -> int:
     """Neighbours a warp processes side by side in the forward kernel: one
     per ``min(k, 32)`` lanes, capped so that the per-group rows fit in shared
     memory (0 when even one row per warp does not fit)."""
-    rows_that_fit = (SHARED_BYTES - warps * WARP * 8) // (4 * dim * warps)
+    staging = warps * staged_round(k) * 8
+    rows_that_fit = (SHARED_BYTES - staging) // (4 * dim * warps)
     return max(0, min(max(1, WARP // k), rows_that_fit))
 
 
 def spgemm_unroll(k: int) -> int:
     """Neighbours whose loads a lane of the forward issues before it applies
     their updates: 8 for ``8 <= k <= 32``, else 4, as measured on an H200
-    (Reddit-shaped graph, dim 256; 4 / 8 neighbours: k=2 3.6 / 4.4 ms, k=4
-    2.9 / 3.3 ms, k=8 2.5 / 2.4 ms, k=32 6.6 / 5.9 ms, k=64 10.9 / 12.8 ms).
-    Below k=8 a step's ``groups * unroll`` neighbours pass the 32 staged ones
-    and the clamped extra loads only cost; at k=64 a lane already has two
-    slots per neighbour."""
+    (Reddit-shaped graph, dim 256, staging 32 neighbours per round; 4 / 8
+    neighbours: k=2 3.6 / 4.4 ms, k=4 2.9 / 3.3 ms, k=8 2.5 / 2.4 ms, k=32
+    6.6 / 5.9 ms, k=64 10.9 / 12.8 ms; at k=64 a lane already has two slots
+    per neighbour)."""
     return 8 if 8 <= k <= WARP else 4
 
 
@@ -111,18 +130,20 @@ def fits_shared_memory(k: int, dim: int, warps: int) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _stager(k: int, weighted: bool):
-    """The device function both kernels use to stage a round of up to 32
-    neighbours (times ``k``: their CBSR row offsets) and edge values in shared
-    memory, with one coalesced load each."""
+def _stager(k: int, weighted: bool, per_lane: int):
+    """The device function both kernels use to stage a round of up to
+    ``32 * per_lane`` neighbours (times ``k``: their CBSR row offsets) and edge
+    values in shared memory, with coalesced loads."""
     kk = uint32(k)
 
     @cuda.jit(device=True, inline=True)
     def stage(col, weight, base, n, lane, warp, nbr, nbr_w):
-        if lane < n:
-            nbr[warp, lane] = uint32(col[base + lane]) * kk
-            if weighted:
-                nbr_w[warp, lane] = weight[base + lane]
+        for t in range(per_lane):
+            i = lane + uint32(t * WARP)
+            if i < n:
+                nbr[warp, i] = uint32(col[base + i]) * kk
+                if weighted:
+                    nbr_w[warp, i] = weight[base + i]
 
     return stage
 
@@ -146,15 +167,17 @@ def spgemm_kernel(dim: int, k: int, threads: int, weighted: bool):
     w32, d32, zero, one = uint32(WARP), uint32(dim), uint32(0), uint32(1)
     unroll = spgemm_unroll(k)
     round_step = uint32(groups * unroll)
+    staged = staged_round(k)
+    round_size = uint32(staged)
     sync = warp_sync()
-    stage = _stager(k, weighted)
+    stage = _stager(k, weighted, staged // WARP)
 
     @kernel_jit(max_registers=MAX_REGISTERS)
     def spgemm(item_row, item_start, item_end, item_split, col, weight,
                values, indices, out, num_items):
         acc = cuda.shared.array((warps, groups, dim), float32)
-        nbr = cuda.shared.array((warps, WARP), uint32)    # neighbour * k
-        nbr_w = cuda.shared.array((warps, WARP), float32)
+        nbr = cuda.shared.array((warps, staged), uint32)    # neighbour * k
+        nbr_w = cuda.shared.array((warps, staged), float32)
         val = cuda.local.array(unroll, float32)           # registers after unrolling
         pos = cuda.local.array(unroll, uint32)
         lane = uint32(cuda.threadIdx.x) % w32
@@ -171,8 +194,8 @@ def spgemm_kernel(dim: int, k: int, threads: int, weighted: bool):
             e0 = uint32(item_start[item])
             e1 = uint32(item_end[item])
             sync()
-            for base in range(e0, e1, w32):
-                n = min(w32, e1 - base)
+            for base in range(e0, e1, round_size):
+                n = min(round_size, e1 - base)
                 stage(col, weight, base, n, lane, warp, nbr, nbr_w)
                 sync()
                 for step in range(zero, n, round_step):
@@ -226,15 +249,17 @@ def sspmm_kernel(dim: int, k: int, threads: int, weighted: bool):
     w32, d32, zero = uint32(WARP), uint32(dim), uint32(0)
     unroll = SSPMM_UNROLL
     round_step = uint32(groups * unroll)
+    staged = staged_round(k)
+    round_size = uint32(staged)
     sync = warp_sync()
-    stage = _stager(k, weighted)
+    stage = _stager(k, weighted, staged // WARP)
 
     @kernel_jit(max_registers=MAX_REGISTERS)
     def sspmm(item_row, item_start, item_end, col, weight, indices, grad_out,
               grad_values, num_items):
         buf = cuda.shared.array((warps, dim), float32)
-        nbr = cuda.shared.array((warps, WARP), uint32)    # neighbour * k
-        nbr_w = cuda.shared.array((warps, WARP), float32)
+        nbr = cuda.shared.array((warps, staged), uint32)    # neighbour * k
+        nbr_w = cuda.shared.array((warps, staged), float32)
         at = cuda.local.array(unroll, uint32)             # registers after unrolling
         pos = cuda.local.array(unroll, uint32)
         lane = uint32(cuda.threadIdx.x) % w32
@@ -249,8 +274,8 @@ def sspmm_kernel(dim: int, k: int, threads: int, weighted: bool):
                 buf[warp, d] = grad_out[r, d]
             e0 = uint32(item_start[item])
             e1 = uint32(item_end[item])
-            for base in range(e0, e1, w32):
-                n = min(w32, e1 - base)
+            for base in range(e0, e1, round_size):
+                n = min(round_size, e1 - base)
                 sync()  # the previous round's reads of nbr are done
                 stage(col, weight, base, n, lane, warp, nbr, nbr_w)
                 sync()
