@@ -6,9 +6,8 @@ Backends:
   :func:`torch.topk`, the aggregation a ``torch.sparse`` CSR product.
 * ``"numba"``: the Numba CUDA kernels of :mod:`pyg_maxk.kernels`. It needs CUDA
   tensors, or CPU tensors under Numba's simulator (``NUMBA_ENABLE_CUDASIM=1``).
-* ``"cpu"``: Numba's parallel CPU kernels for the aggregation
-  (:mod:`pyg_maxk.kernels.cpu`; float32/float64 CPU tensors), ``torch.topk``
-  for the selection.
+* ``"cpu"``: Numba's parallel CPU kernels for the selection and the
+  aggregation (:mod:`pyg_maxk.kernels.cpu`; float32/float64 CPU tensors).
 * ``"auto"`` (default): ``"numba"`` for float32/float16/bfloat16 CUDA tensors
   when the kernels can run, ``"cpu"`` for float32/float64 CPU tensors when
   Numba imports, ``"torch"`` otherwise.

@@ -102,3 +102,17 @@ def assert_same_as_stock(maxk_conv, stock_conv, x, args, k, *, rtol=1e-4, atol=1
         else:
             torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=atol, msg=name)
     return out
+
+
+def assert_same_selection(h: pyg_maxk.CBSR, x: Tensor, k: int) -> None:
+    """``h`` keeps exactly the entries torch.topk keeps, in column order.
+    Among equal values the kernels keep the lowest columns, torch.topk
+    unspecified ones, so tied columns may differ (their values do not)."""
+    values, _ = torch.topk(x, k, dim=1)
+    cols = h.indices.long()
+    assert (cols.diff(dim=1) > 0).all(), "columns are not strictly increasing"
+    # Each kept value is the entry at its column, and the kept values are
+    # topk's: so a value that occurs once in its row sits at topk's column.
+    torch.testing.assert_close(x.gather(1, cols), h.values, rtol=0, atol=0)
+    torch.testing.assert_close(h.values.sort(dim=1, descending=True).values, values,
+                               rtol=0, atol=0)

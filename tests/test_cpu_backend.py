@@ -1,12 +1,14 @@
 """The "cpu" backend (Numba parallel CPU kernels): kernels against float64
-references, the layer contract, and float64 gradients."""
+references and torch.topk, the layer contract, and float64 gradients."""
 import pytest
 import torch
 
 import pyg_maxk
 from pyg_maxk import CBSR, CSRGraph
+from pyg_maxk.ops import cpu_ops
 
-from helpers import FORMS, adjacency, assert_same_as_stock, random_edge_index
+from helpers import (FORMS, adjacency, assert_same_as_stock, assert_same_selection,
+                     random_edge_index)
 from test_layers import K, N, _weights, _x, make_pair
 
 
@@ -63,3 +65,57 @@ def test_gradcheck_float64(kind):
     x = torch.randn(8, 6, dtype=torch.float64, requires_grad=True)
     with pyg_maxk.use_backend("cpu"):
         assert torch.autograd.gradcheck(lambda x: conv(x, ei), (x,))
+
+
+def cpu_maxk(x: torch.Tensor, k: int) -> CBSR:
+    with pyg_maxk.use_backend("cpu"):
+        return pyg_maxk.maxk(x, k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dim,k", [(256, 32), (100, 7), (1433, 1), (70, 69), (256, 255),
+                                   (300, 64), (33, 32)])
+def test_maxk_select_matches_topk(dtype, dim, k, monkeypatch):
+    calls, original = [], cpu_ops.maxk_select
+    monkeypatch.setattr(cpu_ops, "maxk_select", lambda x, k: calls.append(k) or original(x, k))
+    x = torch.randn(150, dim, generator=torch.Generator().manual_seed(dim + k), dtype=dtype)
+    x.requires_grad_()
+    h = cpu_maxk(x, k)
+    assert calls == [k] and h.indices.dtype == pyg_maxk.index_dtype_for(dim)
+    assert_same_selection(h, x.detach(), k)
+    g = torch.randn_like(h.values)
+    h.values.backward(g)  # gradients reach the kept entries only
+    torch.testing.assert_close(x.grad, torch.zeros_like(x).scatter(1, h.indices.long(), g))
+
+
+@pytest.mark.parametrize("k", [1, 20, 69])
+def test_maxk_select_many_ties_negatives_and_signed_zeros(k):
+    # Few distinct values: the k-th largest is tied, and bisection cannot
+    # narrow the candidates down to exactly k.
+    g = torch.Generator().manual_seed(k)
+    x = torch.randint(-2, 2, (9, 70), generator=g).float()
+    x[x == 0] = torch.where(torch.rand(int((x == 0).sum()), generator=g) < 0.5, 0.0, -0.0)
+    h = cpu_maxk(x, k)
+    assert_same_selection(h, x, k)
+    kth = h.values.min(dim=1, keepdim=True).values
+    cols = h.indices.long()
+    for r in range(x.size(0)):  # ties keep the lowest columns
+        tied = (x[r] == kth[r]).nonzero().view(-1)
+        picked = cols[r][h.values[r] == kth[r]].sort().values
+        assert torch.equal(picked, tied[:picked.numel()])
+
+
+def test_maxk_select_nan_and_infinities():
+    nan, inf = float("nan"), float("inf")
+    x = torch.tensor([[1.0, 3.0, 3.0, nan, 3.0, -1.0, -inf, 0.0],
+                      [nan, 2.0, nan, nan, inf, nan, 5.0, nan],
+                      [-inf, -inf, -inf, -inf, -inf, -inf, -inf, -3.0]])
+    h = cpu_maxk(x, 4)
+    # NaN ranks above every number (as in torch.topk), ties keep the lowest
+    # columns, and more NaNs than k keep the first k of them.
+    assert h.indices.long().tolist() == [[1, 2, 3, 4], [0, 2, 3, 5], [0, 1, 2, 7]]
+
+
+def test_maxk_select_no_rows():
+    h = cpu_maxk(torch.empty(0, 40), 5)
+    assert h.values.shape == (0, 5) and h.indices.shape == (0, 5)

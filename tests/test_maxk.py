@@ -5,10 +5,13 @@ import pyg_maxk
 from pyg_maxk import CBSR, index_dtype_for
 from pyg_maxk.nn import MaxK
 
+from helpers import assert_same_selection
+
 
 def test_maxk_matches_topk_and_cbsr_layout():
     x = torch.randn(20, 64)
-    h = pyg_maxk.maxk(x, 7)
+    with pyg_maxk.use_backend("torch"):
+        h = pyg_maxk.maxk(x, 7)
     values, idx = torch.topk(x, 7, dim=1)
     assert h.values.shape == (20, 7) and h.indices.dtype == torch.uint8
     torch.testing.assert_close(h.values, values)
@@ -18,10 +21,25 @@ def test_maxk_matches_topk_and_cbsr_layout():
     torch.testing.assert_close(dense.gather(1, idx), values)
 
 
+def test_maxk_on_cpu_keeps_topk_entries_in_column_order():
+    # The default backend for CPU tensors is the Numba CPU select kernel.
+    x = torch.randn(20, 64)
+    h = pyg_maxk.maxk(x, 7)
+    assert h.values.shape == (20, 7) and h.indices.dtype == torch.uint8
+    assert_same_selection(h, x, 7)
+    dense = h.to_dense()
+    assert (dense != 0).sum(1).eq(7).all()
+    torch.testing.assert_close(dense.sort(1, descending=True).values[:, :7],
+                               torch.topk(x, 7, dim=1).values)
+
+
 def test_maxk_ties_follow_topk():
     x = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0, -1.0]] * 3)
-    h = pyg_maxk.maxk(x, 2)
+    with pyg_maxk.use_backend("torch"):
+        h = pyg_maxk.maxk(x, 2)
     assert torch.equal(h.indices.long(), torch.topk(x, 2, dim=1).indices)
+    with pyg_maxk.use_backend("cpu"):  # ties: the lowest columns, in column order
+        assert pyg_maxk.maxk(x, 2).indices.long().tolist() == [[1, 2]] * 3
 
 
 def test_gradient_flows_to_kept_entries_only():

@@ -12,7 +12,7 @@ import pyg_maxk
 from pyg_maxk import CBSR, CSRGraph
 from pyg_maxk.ops import numba_ops
 
-from helpers import assert_same_as_stock, random_edge_index
+from helpers import assert_same_as_stock, assert_same_selection, random_edge_index
 from test_layers import make_pair
 
 ON_GPU = torch.cuda.is_available()
@@ -33,20 +33,6 @@ def random_cbsr(num_rows, dim, k, seed=0, dtype=torch.float32):
     x = torch.randn(num_rows, dim, generator=g)
     values, idx = x.topk(k, dim=1)
     return CBSR(values.to(DEVICE, dtype), idx.to(DEVICE, pyg_maxk.index_dtype_for(dim)), dim)
-
-
-def assert_same_selection(h: CBSR, x: torch.Tensor, k: int) -> None:
-    """``h`` keeps exactly the entries torch.topk keeps, in column order.
-    Among equal values the kernel keeps the lowest columns, torch.topk on
-    CUDA unspecified ones, so tied columns may differ (their values do not)."""
-    values, _ = torch.topk(x, k, dim=1)
-    cols = h.indices.long()
-    assert (cols.diff(dim=1) > 0).all(), "columns are not strictly increasing"
-    # Each kept value is the entry at its column, and the kept values are
-    # topk's: so a value that occurs once in its row sits at topk's column.
-    torch.testing.assert_close(x.gather(1, cols), h.values, rtol=0, atol=0)
-    torch.testing.assert_close(h.values.sort(dim=1, descending=True).values, values,
-                               rtol=0, atol=0)
 
 
 def kernel_maxk(x: torch.Tensor, k: int) -> CBSR:

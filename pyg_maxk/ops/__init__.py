@@ -47,9 +47,10 @@ def maxk(x: Tensor, k: int, *, dropout: float = 0.0, training: bool = False) -> 
     :func:`torch.topk` keeps) and return them as a :class:`CBSR`.
 
     Gradients flow to the kept entries only. ``k >= x.size(1)`` keeps every
-    entry (the identity). The ``"numba"`` backend writes each row's entries in
-    column order (among tied values it keeps the lowest columns), the others
-    in :func:`torch.topk` order; nothing downstream depends on the order.
+    entry (the identity). The ``"numba"`` and ``"cpu"`` backends write each
+    row's entries in column order (among tied values they keep the lowest
+    columns), the ``"torch"`` backend in :func:`torch.topk` order; nothing
+    downstream depends on the order.
     ``dropout`` is applied to the kept values, as in the MaxK-GNN paper.
 
     Args:
@@ -67,10 +68,13 @@ def maxk(x: Tensor, k: int, *, dropout: float = 0.0, training: bool = False) -> 
     if k >= dim:
         indices = torch.arange(dim, device=x.device, dtype=index_dtype_for(dim))
         out = CBSR(x, indices.expand(n, dim), dim)
-    elif resolve_backend(x) == "numba" and dim <= MAX_SELECT_DIM:
+    elif (backend := resolve_backend(x)) == "numba" and dim <= MAX_SELECT_DIM:
         from .numba_ops import maxk_select
         values, indices = maxk_select(x, k)
         out = CBSR(values, indices, dim)
+    elif backend == "cpu":
+        from .cpu_ops import maxk_select
+        out = CBSR(*maxk_select(x, k), dim)
     else:
         values, idx = torch.topk(x, k, dim=1)
         out = CBSR(values, idx.to(index_dtype_for(dim)), dim)

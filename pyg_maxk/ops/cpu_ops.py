@@ -1,19 +1,28 @@
-"""The ``"cpu"`` backend: CBSR aggregation with the Numba CPU kernels of
-:mod:`pyg_maxk.kernels.cpu`, differentiable w.r.t. the CBSR values.
-
-MaxK selection stays :func:`torch.topk`: Numba selection kernels (sorted
-insertion, a heap) measured no faster than topk on 5,000 x 256 rows, k=32.
+"""The ``"cpu"`` backend: MaxK selection and CBSR aggregation with the Numba
+CPU kernels of :mod:`pyg_maxk.kernels.cpu`, differentiable w.r.t. the
+features and the CBSR values.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from ..cbsr import CBSR
+from ..cbsr import CBSR, index_dtype_for
 from ..graph import CSRGraph
 from ..kernels import cpu as kernels
+
+
+def maxk_select(x: Tensor, k: int) -> Tuple[Tensor, Tensor]:
+    """``(values [N, k], indices [N, k])`` of the ``k`` largest entries per row
+    of ``x [N, dim]`` (``k < dim``), in column order; ``values`` is
+    differentiable w.r.t. ``x`` (a gather)."""
+    n, dim = x.shape
+    indices = torch.empty(n, k, dtype=index_dtype_for(dim))
+    if n > 0:
+        kernels.select_rows(x.detach().contiguous().numpy(), k, indices.numpy())
+    return x.gather(1, indices.long()), indices
 
 
 def _weight(weight: Optional[Tensor], dtype: torch.dtype, like: Tensor):
