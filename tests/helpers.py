@@ -116,3 +116,22 @@ def assert_same_selection(h: pyg_maxk.CBSR, x: Tensor, k: int) -> None:
     torch.testing.assert_close(x.gather(1, cols), h.values, rtol=0, atol=0)
     torch.testing.assert_close(h.values.sort(dim=1, descending=True).values, values,
                                rtol=0, atol=0)
+
+
+def few_valued_rows(seed: int, rows: int = 9, dim: int = 70) -> Tensor:
+    """Rows of -2, -1, -0.0, 0.0 and 1: selections cut through runs of ties."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-2, 2, (rows, dim), generator=g).float()
+    x[x == 0] = torch.where(torch.rand(int((x == 0).sum()), generator=g) < 0.5, 0.0, -0.0)
+    return x
+
+
+def assert_ties_keep_lowest_columns(h: pyg_maxk.CBSR, x: Tensor) -> None:
+    """Among the entries equal to a row's k-th largest value, ``h`` keeps
+    exactly the first ones in column order."""
+    kth = h.values.min(dim=1, keepdim=True).values
+    cols = h.indices.long()
+    for r in range(x.size(0)):
+        tied = (x[r] == kth[r]).nonzero().view(-1)
+        picked = cols[r][h.values[r] == kth[r]].sort().values
+        assert torch.equal(picked, tied[:picked.numel()])

@@ -8,7 +8,7 @@ from pyg_maxk import CBSR, CSRGraph
 from pyg_maxk.ops import cpu_ops
 
 from helpers import (FORMS, adjacency, assert_same_as_stock, assert_same_selection,
-                     random_edge_index)
+                     assert_ties_keep_lowest_columns, few_valued_rows, random_edge_index)
 from test_layers import K, N, _weights, _x, make_pair
 
 
@@ -92,17 +92,10 @@ def test_maxk_select_matches_topk(dtype, dim, k, monkeypatch):
 def test_maxk_select_many_ties_negatives_and_signed_zeros(k):
     # Few distinct values: the k-th largest is tied, and bisection cannot
     # narrow the candidates down to exactly k.
-    g = torch.Generator().manual_seed(k)
-    x = torch.randint(-2, 2, (9, 70), generator=g).float()
-    x[x == 0] = torch.where(torch.rand(int((x == 0).sum()), generator=g) < 0.5, 0.0, -0.0)
+    x = few_valued_rows(k)
     h = cpu_maxk(x, k)
     assert_same_selection(h, x, k)
-    kth = h.values.min(dim=1, keepdim=True).values
-    cols = h.indices.long()
-    for r in range(x.size(0)):  # ties keep the lowest columns
-        tied = (x[r] == kth[r]).nonzero().view(-1)
-        picked = cols[r][h.values[r] == kth[r]].sort().values
-        assert torch.equal(picked, tied[:picked.numel()])
+    assert_ties_keep_lowest_columns(h, x)
 
 
 def test_maxk_select_nan_and_infinities():

@@ -12,7 +12,8 @@ import pyg_maxk
 from pyg_maxk import CBSR, CSRGraph
 from pyg_maxk.ops import numba_ops
 
-from helpers import assert_same_as_stock, assert_same_selection, random_edge_index
+from helpers import (assert_same_as_stock, assert_same_selection,
+                     assert_ties_keep_lowest_columns, few_valued_rows, random_edge_index)
 from test_layers import make_pair
 
 ON_GPU = torch.cuda.is_available()
@@ -143,20 +144,10 @@ def test_maxk_select_matches_topk(dim, k):
 @pytest.mark.parametrize("k", [1, 20, 69])
 def test_maxk_select_many_ties_negatives_and_signed_zeros(k):
     # Few distinct values: the k-th largest is tied across lanes and slots.
-    g = torch.Generator().manual_seed(k)
-    x = torch.randint(-2, 2, (9, 70), generator=g).float()
-    x[x == 0] = torch.where(torch.rand(int((x == 0).sum()), generator=g) < 0.5, 0.0, -0.0)
-    x = x.to(DEVICE)
+    x = few_valued_rows(k).to(DEVICE)
     h = kernel_maxk(x, k)
     assert_same_selection(h, x, k)
-    # Ties keep the lowest columns: among entries equal to the k-th value,
-    # exactly the first ones (in column order) are picked.
-    kth = h.values.min(dim=1, keepdim=True).values
-    cols = h.indices.long()
-    for r in range(x.size(0)):
-        tied = (x[r] == kth[r]).nonzero().view(-1)
-        picked = cols[r][h.values[r] == kth[r]].sort().values
-        assert torch.equal(picked, tied[:picked.numel()])
+    assert_ties_keep_lowest_columns(h, x)
 
 
 def test_maxk_select_ties_and_nan():
