@@ -87,10 +87,10 @@ class CBSR:
         return self.indices.long()
 
     def to_dense(self) -> Tensor:
-        """The dense ``[N, dim]`` matrix; differentiable w.r.t. ``values``."""
-        out = self.values.new_zeros(self.num_rows, self.dim)
-        # In place: out-of-place scatter would copy the zeros once more.
-        return out.scatter_(1, self.long_indices(), self.values)
+        """The dense ``[N, dim]`` matrix; differentiable w.r.t. ``values``
+        (on the active backend: see :func:`pyg_maxk.ops.to_dense`)."""
+        from .ops import to_dense  # lazy: the ops import this module
+        return to_dense(self)
 
     def add_to(self, dense: Tensor, alpha: Optional[Tensor | float] = None) -> Tensor:
         """``dense + alpha * self`` without materialising ``self`` densely."""

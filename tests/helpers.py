@@ -57,10 +57,17 @@ def adjacency(form: str, edge_index: Tensor, size: Tuple[int, int],
     raise ValueError(form)
 
 
+def dense_reference(h: pyg_maxk.CBSR) -> Tensor:
+    """``h`` as a dense matrix by a plain scatter (no backend kernel)."""
+    return h.values.new_zeros(h.num_rows, h.dim).scatter_(1, h.long_indices(), h.values)
+
+
 def dense_maxk(x, k: int):
+    """The stock layers' input: MaxK of ``x`` by the torch backend, dense."""
     if isinstance(x, (tuple, list)):
         return tuple(None if t is None else dense_maxk(t, k) for t in x)
-    return pyg_maxk.maxk(x, k).to_dense()
+    with pyg_maxk.use_backend("torch"):
+        return pyg_maxk.maxk(x, k).to_dense()
 
 
 def clone_features(x, requires_grad=True):

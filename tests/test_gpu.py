@@ -10,7 +10,7 @@ import torch
 import pyg_maxk
 from pyg_maxk import CSRGraph
 
-from helpers import FORMS, adjacency, assert_same_as_stock, random_edge_index
+from helpers import FORMS, adjacency, assert_same_as_stock, dense_reference, random_edge_index
 from test_layers import make_pair
 from test_numba_backend import (assert_same_selection, check_kernels, kernel_maxk,
                                 poison_allocator, random_cbsr)
@@ -74,6 +74,23 @@ def test_maxk_select_all_k(dim):
         assert_same_selection(kernel_maxk(x, k), x, k)
 
 
+@pytest.mark.parametrize("dim", [64, 256, 1000, 3072, 3073])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_to_dense_kernel_power_law_rows(dim, dtype):
+    # 3072 is the widest row the kernel's shared memory takes; 3073 scatters.
+    for k in sorted({1, 32, dim // 2, dim - 1}):
+        h = random_cbsr(20_000, dim, k, seed=k, dtype=dtype)
+        values = h.values.clone().requires_grad_()
+        poison_allocator(1 << 28)
+        with pyg_maxk.use_backend("numba"):
+            dense = h.with_values(values).to_dense()
+        assert dense.dtype == dtype
+        torch.testing.assert_close(dense, dense_reference(h), rtol=0, atol=0)
+        g = torch.randn(20_000, dim, device="cuda", dtype=dtype)
+        dense.backward(g)
+        torch.testing.assert_close(values.grad, g.gather(1, h.long_indices()), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_accumulates_in_float32(dtype):
     graph = power_law_graph(seed=4)
@@ -81,7 +98,7 @@ def test_half_precision_accumulates_in_float32(dtype):
     with pyg_maxk.use_backend("numba"):
         out = pyg_maxk.aggregate(graph, h)
     assert out.dtype == dtype
-    ref = torch.sparse.mm(graph.torch_csr(torch.float32), h.to_dense().float())
+    ref = torch.sparse.mm(graph.torch_csr(torch.float32), dense_reference(h).float())
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
 
 

@@ -13,7 +13,8 @@ from pyg_maxk import CBSR, CSRGraph
 from pyg_maxk.ops import numba_ops
 
 from helpers import (assert_same_as_stock, assert_same_selection,
-                     assert_ties_keep_lowest_columns, few_valued_rows, random_edge_index)
+                     assert_ties_keep_lowest_columns, dense_reference, few_valued_rows,
+                     random_edge_index)
 from test_layers import make_pair
 
 ON_GPU = torch.cuda.is_available()
@@ -45,7 +46,7 @@ def kernel_maxk(x: torch.Tensor, k: int) -> CBSR:
 
 def reference_spgemm(graph: CSRGraph, h: CBSR) -> torch.Tensor:
     """``A @ dense(h)`` in float64."""
-    return torch.sparse.mm(graph.torch_csr(torch.float64), h.to_dense().double())
+    return torch.sparse.mm(graph.torch_csr(torch.float64), dense_reference(h).double())
 
 
 def reference_sspmm(graph: CSRGraph, h: CBSR, grad_out: torch.Tensor) -> torch.Tensor:
@@ -157,6 +158,32 @@ def test_maxk_select_ties_and_nan():
     assert h.indices.long().cpu().tolist() == [[1, 2, 3, 4]] * 2
 
 
+@pytest.mark.parametrize("num_rows,dim,k", [(13, 40, 1), (13, 40, 39), (9, 300, 12),
+                                            (7, 80, 70), (0, 16, 3)])
+def test_to_dense_kernel_writes_whole_rows(num_rows, dim, k):
+    # The output is never zero-filled: poison shows any entry left unwritten.
+    h = random_cbsr(num_rows, dim, k, seed=dim + k)
+    values = h.values.clone().requires_grad_()
+    poison_allocator()
+    with pyg_maxk.use_backend("numba"):
+        dense = h.with_values(values).to_dense()
+    assert dense.shape == (num_rows, dim)
+    torch.testing.assert_close(dense, dense_reference(h), rtol=0, atol=0)
+    g = torch.randn(num_rows, dim).to(DEVICE)
+    dense.backward(g)
+    torch.testing.assert_close(values.grad, g.gather(1, h.long_indices()), rtol=0, atol=0)
+
+
+def test_to_dense_too_wide_for_the_kernel_scatters():
+    from pyg_maxk.kernels.maxk_select import DENSIFY_SHARED_BYTES, densify_fits
+    dim = DENSIFY_SHARED_BYTES // 4 + 1
+    assert not densify_fits(dim, 1)
+    h = random_cbsr(3, dim, 5)
+    with pyg_maxk.use_backend("numba"):
+        dense = h.to_dense()
+    torch.testing.assert_close(dense, dense_reference(h), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("kind", ["sage", "gcn", "gin"])
 def test_layer_contract_numba(kind):
     ei = random_edge_index(14, 14, 50, seed=3).to(DEVICE)
@@ -199,5 +226,8 @@ def test_custom_ops_pass_opcheck():
                                       "test_faketensor"))
     x = torch.randn(6, 16, device=DEVICE, requires_grad=True)
     torch.library.opcheck(numba_ops.maxk_select_op, (x, 4),
+                          test_utils=("test_schema", "test_autograd_registration",
+                                      "test_faketensor"))
+    torch.library.opcheck(numba_ops.cbsr_to_dense_op, (values, h.indices, 16),
                           test_utils=("test_schema", "test_autograd_registration",
                                       "test_faketensor"))

@@ -1,7 +1,7 @@
 """Numba CUDA kernels of pyg-maxk. They see plain device arrays and launch
 parameters only; :mod:`pyg_maxk.ops.numba_ops` wraps them as torch ops.
 
-* :mod:`.maxk_select`: top-k per row into CBSR, and its backward scatter.
+* :mod:`.maxk_select`: top-k per row into CBSR, and CBSR back to dense rows.
 * :mod:`.spgemm`: forward CSR x CBSR product and backward SSpMM.
 
 Every kernel is compiled once per specialisation (``dim``, ``k``, ...) and

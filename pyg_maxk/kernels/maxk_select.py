@@ -1,5 +1,5 @@
 """MaxK selection: the ``k`` largest entries of every row, written straight
-into CBSR, and its backward scatter.
+into CBSR, and the way back from CBSR to dense rows (its backward).
 
 One warp per row. Each lane holds ``ceil(dim / 32)`` entries of the row in
 registers as order-preserving uint32 keys, and a radix select over the key
@@ -22,9 +22,9 @@ from ._numba import cuda_module
 
 # Module-level name `cuda`: Numba's simulator swaps exactly this global.
 cuda = cuda_module()
-from numba import uint32  # noqa: E402 (after the numpy shim)
+from numba import float32, uint32  # noqa: E402 (after the numpy shim)
 
-from ._warp import WARP, warp_rank, warp_sum  # noqa: E402
+from ._warp import WARP, warp_rank, warp_sum, warp_sync  # noqa: E402
 
 #: Rows (warps) per block on a GPU; the simulator runs one-warp blocks.
 ROWS_PER_BLOCK = 4
@@ -118,16 +118,50 @@ def select_kernel(dim: int, k: int, rows_per_block: int):
     return maxk_select
 
 
-@functools.lru_cache(maxsize=None)
-def scatter_kernel(k: int):
-    """``grad_x[r, indices[r, j]] = grad_values[r, j]`` (``grad_x`` zeroed)."""
-    @cuda.jit
-    def maxk_scatter(grad_values, indices, grad_x, num_rows):
-        start = cuda.grid(1)
-        stride = cuda.gridsize(1)
-        for t in range(start, num_rows * k, stride):
-            r = t // k
-            j = t - r * k
-            grad_x[r, indices[r, j]] = grad_values[r, j]
+#: Shared memory a densify block may use: one ``dim``-wide row per warp.
+DENSIFY_SHARED_BYTES = 48 * 1024
 
-    return maxk_scatter
+
+def densify_fits(dim: int, rows_per_block: int = ROWS_PER_BLOCK) -> bool:
+    """Whether :func:`densify_kernel` takes rows of width ``dim``."""
+    return rows_per_block * dim * 4 <= DENSIFY_SHARED_BYTES
+
+
+@functools.lru_cache(maxsize=None)
+def densify_kernel(dim: int, k: int, rows_per_block: int):
+    """``dense[r, indices[r, j]] = values[r, j]``, every other entry 0: the
+    dense form of a CBSR, and so also the MaxK backward (the gradient of the
+    kept values scattered into a dense row).
+
+    One warp per row builds the row in shared memory and writes all of it
+    with coalesced stores, so ``dense`` needs no zero-fill beforehand (one
+    pass over ``[N, dim]`` instead of a fill and a scattered second one).
+    Indices of a row are distinct (as :func:`maxk` writes them), so the
+    lanes' shared-memory stores never collide.
+    """
+    if not densify_fits(dim, rows_per_block):
+        raise ValueError(f"dim={dim} is too wide for the densify kernel's shared memory")
+    sync = warp_sync()
+    kk, d32, w32 = uint32(k), uint32(dim), uint32(WARP)
+    rpb = uint32(rows_per_block)
+
+    @cuda.jit
+    def densify(values, indices, dense, num_rows):
+        row_buf = cuda.shared.array((rows_per_block, dim), float32)
+        lane = uint32(cuda.threadIdx.x) % w32
+        warp = uint32(cuda.threadIdx.x) // w32
+        for first in range(uint32(cuda.blockIdx.x) * rpb, uint32(num_rows),
+                           uint32(cuda.gridDim.x) * rpb):
+            row = first + warp
+            if row < uint32(num_rows):  # warp-uniform
+                for d in range(lane, d32, w32):
+                    row_buf[warp, d] = float32(0.0)
+                sync()
+                for j in range(lane, kk, w32):
+                    row_buf[warp, uint32(indices[row, j])] = values[row, j]
+                sync()
+                for d in range(lane, d32, w32):
+                    dense[row, d] = row_buf[warp, d]
+                sync()  # the next row's zeros wait for these reads
+
+    return densify

@@ -83,6 +83,28 @@ def maxk(x: Tensor, k: int, *, dropout: float = 0.0, training: bool = False) -> 
     return out
 
 
+def _runs_numba(t: Tensor) -> bool:
+    """Whether the active backend is ``"numba"`` for ``t``; a backend forced
+    where it cannot run counts as not (the callers have a torch path with the
+    same result)."""
+    try:
+        return resolve_backend(t) == "numba"
+    except (TypeError, RuntimeError):
+        return False
+
+
+def to_dense(h: CBSR) -> Tensor:
+    """The dense ``[N, dim]`` form of ``h`` (:meth:`CBSR.to_dense`),
+    differentiable w.r.t. ``h.values``. The ``"numba"`` backend writes each row
+    once from shared memory; elsewhere it is a zero-fill and a scatter."""
+    if not h.is_full and _runs_numba(h.values):
+        from .numba_ops import to_dense as numba_to_dense
+        return numba_to_dense(h)
+    out = h.values.new_zeros(h.num_rows, h.dim)
+    # In place: out-of-place scatter would copy the zeros once more.
+    return out.scatter_(1, h.long_indices(), h.values)
+
+
 def aggregate(graph: CSRGraph, h: Union[CBSR, Tensor]) -> Tensor:
     r"""The sparse product :math:`\mathbf{A} \mathbf{H}`: row ``i`` of the
     result is :math:`\sum_{e = (j \rightarrow i)} a_e \mathbf{h}_j`.
@@ -159,4 +181,4 @@ def cbsr_linear(h: CBSR, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return _CBSRLinear.apply(h.values, h.indices, h.dim, weight, bias)
 
 
-__all__ = ["maxk", "aggregate", "cbsr_linear", "check_k"]
+__all__ = ["maxk", "aggregate", "cbsr_linear", "check_k", "to_dense"]

@@ -23,7 +23,7 @@ from ..cbsr import CBSR, index_dtype_for
 from ..graph import CSRGraph, WorkSchedule
 from ..kernels import cuda_module, simulator_enabled
 from ..kernels._warp import WARP
-from ..kernels.maxk_select import ROWS_PER_BLOCK, scatter_kernel, select_kernel
+from ..kernels.maxk_select import ROWS_PER_BLOCK, densify_fits, densify_kernel, select_kernel
 from ..kernels.spgemm import fits_shared_memory, spgemm_kernel, sspmm_kernel
 
 #: Threads of one SpGEMM/SSpMM block. The kernels work per warp; under the
@@ -176,23 +176,48 @@ def _(x: Tensor, k: int) -> Tuple[Tensor, Tensor]:
     return x.new_empty(n, k), x.new_empty(n, k, dtype=index_dtype_for(dim))
 
 
-@torch.library.custom_op("pyg_maxk::maxk_scatter", mutates_args=())
-def maxk_scatter_op(grad_values: Tensor, indices: Tensor, dim: int) -> Tensor:
-    n, k = grad_values.shape
-    g32 = grad_values.detach().to(KERNEL_DTYPE).contiguous()
-    grad_x = torch.zeros(n, dim, dtype=KERNEL_DTYPE, device=grad_values.device)
+def _densify_rows_per_block() -> int:
+    return 1 if launcher().simulator else ROWS_PER_BLOCK
+
+
+@torch.library.custom_op("pyg_maxk::cbsr_to_dense", mutates_args=())
+def cbsr_to_dense_op(values: Tensor, indices: Tensor, dim: int) -> Tensor:
+    n, k = values.shape
+    rows_per_block = _densify_rows_per_block()
+    if not densify_fits(dim, rows_per_block):  # rows too wide for shared memory
+        dense = values.detach().new_zeros(n, dim)
+        return dense.scatter_(1, indices.long(), values.detach())
+    v32 = values.detach().to(KERNEL_DTYPE).contiguous()
+    dense = torch.empty(n, dim, dtype=KERNEL_DTYPE, device=values.device)  # rows written whole
     if n > 0:
         run = launcher()
-        threads = run.threads
-        blocks = min(-(-(n * k) // threads), run.max_blocks(grad_values.device, threads))
-        run(scatter_kernel(k), blocks, threads, grad_values.device, g32,
-            indices.contiguous(), grad_x, n)
-    return grad_x.to(grad_values.dtype)
+        threads = WARP * rows_per_block
+        blocks = min(-(-n // rows_per_block), run.max_blocks(values.device, threads))
+        run(densify_kernel(dim, k, rows_per_block), blocks, threads, values.device, v32,
+            indices.contiguous(), dense, n)
+    return dense.to(values.dtype)
 
 
-@maxk_scatter_op.register_fake
-def _(grad_values: Tensor, indices: Tensor, dim: int) -> Tensor:
-    return grad_values.new_empty(grad_values.size(0), dim)
+@cbsr_to_dense_op.register_fake
+def _(values: Tensor, indices: Tensor, dim: int) -> Tensor:
+    return values.new_empty(values.size(0), dim)
+
+
+def _to_dense_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(inputs[1])
+
+
+def _to_dense_backward(ctx, grad_dense):
+    (indices,) = ctx.saved_tensors
+    return grad_dense.gather(1, indices.long()), None, None
+
+
+cbsr_to_dense_op.register_autograd(_to_dense_backward, setup_context=_to_dense_setup)
+
+
+def to_dense(h: CBSR) -> Tensor:
+    """``h`` as a dense ``[N, dim]`` tensor, differentiable w.r.t. ``h.values``."""
+    return cbsr_to_dense_op(h.values, h.indices, h.dim)
 
 
 def _maxk_setup(ctx, inputs, output) -> None:
@@ -203,7 +228,7 @@ def _maxk_setup(ctx, inputs, output) -> None:
 
 def _maxk_backward(ctx, grad_values, grad_indices):
     (indices,) = ctx.saved_tensors
-    return maxk_scatter_op(grad_values, indices, ctx.dim), None
+    return cbsr_to_dense_op(grad_values, indices, ctx.dim), None
 
 
 maxk_select_op.register_autograd(_maxk_backward, setup_context=_maxk_setup)
