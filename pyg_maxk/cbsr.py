@@ -92,10 +92,14 @@ class CBSR:
         from .ops import to_dense  # lazy: the ops import this module
         return to_dense(self)
 
-    def add_to(self, dense: Tensor, alpha: Optional[Tensor | float] = None) -> Tensor:
-        """``dense + alpha * self`` without materialising ``self`` densely."""
+    def add_to(self, dense: Tensor, alpha: Optional[Tensor | float] = None,
+               inplace: bool = False) -> Tensor:
+        """``dense + alpha * self`` without materialising ``self`` densely;
+        ``inplace=True`` adds into ``dense`` (saving a copy of it), which
+        autograd allows when nothing saved ``dense`` for its backward."""
         values = self.values if alpha is None else alpha * self.values
-        return dense.scatter_add(1, self.long_indices(), values.to(dense.dtype))
+        add = dense.scatter_add_ if inplace else dense.scatter_add
+        return add(1, self.long_indices(), values.to(dense.dtype))
 
     def with_values(self, values: Tensor) -> "CBSR":
         """The same sparsity pattern with other values (e.g. after dropout)."""

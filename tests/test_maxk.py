@@ -98,7 +98,10 @@ def test_cbsr_validation_and_helpers():
         CBSR(torch.randn(3, 5), torch.zeros(3, 5, dtype=torch.uint8), 4)
     h = pyg_maxk.maxk(torch.randn(3, 8), 2)
     base = torch.randn(3, 8)
-    torch.testing.assert_close(h.add_to(base, 2.0), base + 2 * h.to_dense())
+    expected = base + 2 * h.to_dense()
+    torch.testing.assert_close(h.add_to(base, 2.0), expected)
+    assert h.add_to(base, 2.0, inplace=True) is base
+    torch.testing.assert_close(base, expected)
     assert "k=2" in repr(h) and h.shape == (3, 8)
 
 

@@ -3,9 +3,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.nn import Parameter
-from torch_geometric.nn.dense.linear import Linear
+from torch_geometric.nn.dense.linear import Linear, is_uninitialized_parameter
 from torch_geometric.nn.inits import zeros
 from torch_geometric.typing import Adj, OptTensor
 
@@ -92,10 +93,12 @@ class MaxKGCNConv(MaxKConv):
                                normalization="gcn" if self.normalize else "sum",
                                edge_weight=edge_weight, gcn_improved=self.improved,
                                gcn_add_self_loops=self.add_self_loops)
-        out = self.lin(self.aggregate_sparse(graph, self.sparsify(x)))
-        if self.bias is not None:
-            out = out + self.bias
-        return out
+        agg = self.aggregate_sparse(graph, self.sparsify(x))  # [N, F_in]
+        if is_uninitialized_parameter(self.lin.weight):  # lazy in_channels=-1
+            out = self.lin(agg)
+            return out if self.bias is None else out + self.bias
+        # The bias in the GEMM's epilogue: no separate pass over [N, F_out].
+        return F.linear(agg, self.lin.weight, self.bias)
 
     def __repr__(self) -> str:
         return (f"{self.__class__.__name__}({self.in_channels}, "

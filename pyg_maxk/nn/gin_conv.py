@@ -65,7 +65,7 @@ class MaxKGINConv(MaxKConv):
         out = self.aggregate_sparse(graph, h_src)  # [N_dst, F_in]
         if x_dst is not None:
             h_dst = h_src if x_dst is x_src else self.sparsify(x_dst)
-            out = h_dst.add_to(out, 1 + self.eps)
+            out = h_dst.add_to(out, 1 + self.eps, inplace=True)  # out is fresh
         return self.nn(out)
 
     def __repr__(self) -> str:
