@@ -130,11 +130,12 @@ def fits_shared_memory(k: int, dim: int, warps: int) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _stager(k: int, weighted: bool, per_lane: int):
+def _stager(k: int, weighted: bool):
     """The device function both kernels use to stage a round of up to
-    ``32 * per_lane`` neighbours (times ``k``: their CBSR row offsets) and edge
-    values in shared memory, with coalesced loads."""
+    :func:`staged_round` neighbours (times ``k``: their CBSR row offsets) and
+    edge values in shared memory, with coalesced loads."""
     kk = uint32(k)
+    per_lane = staged_round(k) // WARP
 
     @cuda.jit(device=True, inline=True)
     def stage(col, weight, base, n, lane, warp, nbr, nbr_w):
@@ -170,7 +171,7 @@ def spgemm_kernel(dim: int, k: int, threads: int, weighted: bool):
     staged = staged_round(k)
     round_size = uint32(staged)
     sync = warp_sync()
-    stage = _stager(k, weighted, staged // WARP)
+    stage = _stager(k, weighted)
 
     @kernel_jit(max_registers=MAX_REGISTERS)
     def spgemm(item_row, item_start, item_end, item_split, col, weight,
@@ -252,7 +253,7 @@ def sspmm_kernel(dim: int, k: int, threads: int, weighted: bool):
     staged = staged_round(k)
     round_size = uint32(staged)
     sync = warp_sync()
-    stage = _stager(k, weighted, staged // WARP)
+    stage = _stager(k, weighted)
 
     @kernel_jit(max_registers=MAX_REGISTERS)
     def sspmm(item_row, item_start, item_end, col, weight, indices, grad_out,
