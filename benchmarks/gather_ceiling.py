@@ -111,7 +111,7 @@ def main(argv=None):
     del ei
     col = graph.kernel_col()
     run = numba_ops.launcher()
-    threads = run.threads
+    threads = numba_ops.block_threads()
     blocks = run.max_blocks(device, threads)
     out = torch.empty(blocks * threads, device=device)
     x = torch.randn(nodes, args.dim, device=device)

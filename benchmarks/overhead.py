@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import pyg_maxk  # noqa: E402
 from pyg_maxk import CSRGraph  # noqa: E402
 from pyg_maxk.datasets import PRESETS, power_law_edge_index  # noqa: E402
-from pyg_maxk.ops import numba_ops  # noqa: E402
+from pyg_maxk.kernels import cuda_module  # noqa: E402
 
 from common import environment, write_json  # noqa: E402
 
@@ -47,8 +47,9 @@ def main():
         h = pyg_maxk.maxk(x, 32)
         results["host_us_maxk_select"] = host_us(lambda: pyg_maxk.maxk(x, 32))
         results["host_us_spgemm"] = host_us(lambda: pyg_maxk.aggregate(g, h))
-    run = numba_ops.launcher()
-    results["host_us_as_cuda_array"] = host_us(lambda: run.array(x))
+        results["host_us_to_dense"] = host_us(lambda: h.to_dense())
+    cuda = cuda_module()
+    results["host_us_as_cuda_array"] = host_us(lambda: cuda.as_cuda_array(x, sync=False))
     results["host_us_torch_topk"] = host_us(lambda: torch.topk(x, 32, dim=1))
     results["host_us_cusparse_spmm"] = host_us(lambda: torch.sparse.mm(g.torch_csr(torch.float32), x))
     print(results, flush=True)
