@@ -25,6 +25,7 @@ Writes ``benchmarks/results/train[-tiny].json`` and ``train[-tiny].png``.
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 from pathlib import Path
 from typing import Dict, Optional
@@ -123,6 +124,10 @@ def time_epoch(model, x, adj, y, device, repeats) -> Dict[str, object]:
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     step = epoch_fn(model, opt, x, adj, y)
     if device.type == "cuda":
+        # Peak memory counts what is still allocated: collect the cyclic
+        # garbage first (an out-of-memory error caught in guarded() leaves
+        # traceback cycles holding the failed run's tensors).
+        gc.collect()
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     t = time_ms(step, device, warmup=2, repeats=repeats)
