@@ -67,3 +67,16 @@ def test_numpy_row_stack_shim(monkeypatch):
     assert patch_numpy() is True
     assert np.row_stack is np.vstack
     assert patch_numpy() is False  # idempotent once present
+
+
+def test_kernel_params_follow_numbas_array_layout():
+    # The fast launch path packs what Numba's kernels take: per array meminfo,
+    # parent, nitems, itemsize, data, shape..., strides in bytes...; per int
+    # one int64 (checked against the kernels on a GPU by the kernel tests).
+    from pyg_maxk.ops._launch import kernel_params
+
+    t = torch.zeros(3, 5)
+    u = torch.zeros(7, dtype=torch.uint8)
+    assert kernel_params([t, 4, u]) == [0, 0, 15, 4, t.data_ptr(), 3, 5, 20, 4,
+                                        4,
+                                        0, 0, 7, 1, u.data_ptr(), 7, 1]
