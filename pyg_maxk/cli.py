@@ -19,7 +19,7 @@ from typing import Dict, List, Optional
 import torch
 
 from .datasets import PRESETS, DatasetUnavailable, dataset_names, load_dataset
-from .training import TrainConfig, ddp_context, train_full_batch, train_neighbor
+from .training import TrainConfig, ddp_context, ddp_shutdown, train_full_batch, train_neighbor
 
 DEFAULT_DATASET = "small"
 
@@ -114,9 +114,15 @@ def train(args) -> int:
     if problem:
         print(f"pyg-maxk train: error: {problem}", file=sys.stderr)
         return 2
-    rank, world, device, all_reduce = 0, 1, args.device, None
-    if args.ddp:
-        rank, world, device, all_reduce = ddp_context(args.device)
+    if not args.ddp:
+        return _train(args, 0, 1, args.device, None)
+    try:
+        return _train(args, *ddp_context(args.device))
+    finally:
+        ddp_shutdown()
+
+
+def _train(args, rank: int, world: int, device: str, all_reduce) -> int:
     cfg = _config(args, device)
     try:
         task = load_dataset(args.dataset, args.root, scale=args.scale, seed=args.seed)

@@ -345,3 +345,14 @@ def ddp_context(device: str):
         return t.cpu()
 
     return rank, world, device, all_reduce
+
+
+def ddp_shutdown() -> None:
+    """Leave the process group, if one was joined. Without this, interpreter
+    exit tears down the communication threads while they are still joinable,
+    which can abort a rank (``terminate called without an active exception``,
+    seen once in CI with gloo) after training finished."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
