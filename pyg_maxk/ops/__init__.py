@@ -98,8 +98,9 @@ def to_dense(h: CBSR) -> Tensor:
     differentiable w.r.t. ``h.values``. The ``"numba"`` backend writes each row
     once from shared memory; elsewhere it is a zero-fill and a scatter."""
     if not h.is_full and _runs_numba(h.values):
-        from .numba_ops import to_dense as numba_to_dense
-        return numba_to_dense(h)
+        from .numba_ops import supports_to_dense, to_dense as numba_to_dense
+        if supports_to_dense(h.dim):  # else too wide for shared memory: scatter below
+            return numba_to_dense(h)
     out = h.values.new_zeros(h.num_rows, h.dim)
     # In place: out-of-place scatter would copy the zeros once more.
     return out.scatter_(1, h.long_indices(), h.values)

@@ -116,9 +116,6 @@ def _densify_rows_per_block() -> int:
 def _cbsr_to_dense(values: Tensor, indices: Tensor, dim: int) -> Tensor:
     n, k = values.shape
     rows_per_block = _densify_rows_per_block()
-    if not densify_fits(dim, rows_per_block):  # rows too wide for shared memory
-        dense = values.detach().new_zeros(n, dim)
-        return dense.scatter_(1, indices.long(), values.detach())
     v32 = values.detach().to(KERNEL_DTYPE).contiguous()
     dense = torch.empty(n, dim, dtype=KERNEL_DTYPE, device=values.device)  # rows written whole
     if n > 0:
@@ -162,8 +159,16 @@ maxk_select_op = KernelOp("maxk_select", _maxk_select, _maxk_select_fake,
                           _maxk_setup, _maxk_backward)
 
 
+def supports_to_dense(dim: int) -> bool:
+    """Whether the densify kernel takes rows of width ``dim`` (one row per
+    warp in shared memory); MaxK's widths (:data:`~pyg_maxk.ops.MAX_SELECT_DIM`)
+    always fit."""
+    return densify_fits(dim, _densify_rows_per_block())
+
+
 def to_dense(h: CBSR) -> Tensor:
-    """``h`` as a dense ``[N, dim]`` tensor, differentiable w.r.t. ``h.values``."""
+    """``h`` as a dense ``[N, dim]`` tensor, differentiable w.r.t. ``h.values``
+    (``h.dim`` within :func:`supports_to_dense`)."""
     return cbsr_to_dense_op(h.values, h.indices, h.dim)
 
 
