@@ -81,7 +81,9 @@ def select_kernel(dim: int, k: int, rows_per_block: int):
                 threshold = zero
                 exact = False  # exactly k keys >= threshold: no ties to break
                 for bit in range(31, -1, -1):
-                    candidate = threshold | (one << uint32(bit))
+                    # uint32 again: Numba widens integer arithmetic to 64 bits,
+                    # and 64-bit compares cost two instructions each.
+                    candidate = uint32(threshold | (one << uint32(bit)))
                     n = zero
                     for m in range(per_lane):
                         if keys[m] >= candidate:
@@ -103,10 +105,11 @@ def select_kernel(dim: int, k: int, rows_per_block: int):
                 ties_seen = zero
                 for m in range(per_lane):
                     key = keys[m]
-                    tie = key == threshold and not exact
-                    tie_below, tie_total = rank(tie, lane, mine)
-                    take = key > threshold or (key == threshold and exact) or (
-                        tie and ties_seen + tie_below < ties_wanted)
+                    tie_below, tie_total = zero, zero
+                    if not exact:  # warp-uniform; exact (no ties to rank) is the usual case
+                        tie_below, tie_total = rank(key == threshold, lane, mine)
+                    take = key > threshold or (key == threshold and (
+                        exact or ties_seen + tie_below < ties_wanted))
                     below, total = rank(take, lane, mine)
                     if take:
                         c = lane + uint32(m * WARP)
