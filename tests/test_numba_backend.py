@@ -159,9 +159,11 @@ def test_maxk_select_ties_and_nan():
 
 
 @pytest.mark.parametrize("num_rows,dim,k", [(13, 40, 1), (13, 40, 39), (9, 300, 12),
-                                            (7, 80, 70), (0, 16, 3)])
+                                            (7, 80, 70), (5, 300, 200), (0, 16, 3)])
 def test_to_dense_kernel_writes_whole_rows(num_rows, dim, k):
     # The output is never zero-filled: poison shows any entry left unwritten.
+    # More rows than warps (each warp loads its next row ahead), and k=200:
+    # slots beyond DENSIFY_AHEAD * 32 are loaded when their row is built.
     h = random_cbsr(num_rows, dim, k, seed=dim + k)
     values = h.values.clone().requires_grad_()
     poison_allocator()
