@@ -4,6 +4,7 @@
     python benchmarks/train.py --tiny          # CPU smoke run on a small graph (CI)
     python benchmarks/train.py --graphs reddit --models sage --k 8,32
     python benchmarks/train.py --device cpu --graphs reddit --scale 0.02 --forms edge_index,csr
+    python benchmarks/train.py --graphs products --models sage --tf32   # TF32 matmuls, both sides
 
 For every graph and model (SAGE, GCN, GIN: an input linear map, L convs of
 width 256, an output linear map, Adam) it times one training epoch (forward,
@@ -20,7 +21,10 @@ cross-entropy, backward, optimizer step)
 
 Times are CUDA-event medians after warm-up (``perf_counter`` on the CPU);
 peak memory is ``torch.cuda.max_memory_allocated`` over the timed epochs.
-Writes ``benchmarks/results/train[-tiny].json`` and ``train[-tiny].png``.
+Float32 matmuls are full IEEE float32 (PyTorch's default) unless ``--tf32``
+lets cuBLAS use TF32 tensor cores, for the stock and the MaxK models alike.
+Writes ``benchmarks/results/train[-tiny|-tf32].json`` and a ``.png`` of the
+same name.
 """
 from __future__ import annotations
 
@@ -70,6 +74,8 @@ def parse_args(argv=None):
     p.add_argument("--scale", type=float, default=1.0,
                    help="multiply the graphs' nodes and edges (e.g. 0.02 for a CPU run)")
     p.add_argument("--device", default=None)
+    p.add_argument("--tf32", action="store_true",
+                   help="allow TF32 in float32 matmuls (both sides; default: IEEE float32)")
     p.add_argument("--out", default=str(RESULTS))
     return p.parse_args(argv)
 
@@ -260,12 +266,16 @@ def main(argv=None):
     models = args.models.split(",")
     forms = args.forms.split(",")
     ks = [int(k) for k in args.k.split(",")]
+    torch.backends.cuda.matmul.allow_tf32 = args.tf32
     payload = {"benchmark": "train", "environment": environment(device),
                "backend": resolve_backend(torch.empty(0, device=device)),
+               "float32_matmul": "tf32" if args.tf32 else "ieee",
                "workloads": {}}
     for name in graphs:
         payload["workloads"][name] = run_workload(name, models, forms, ks, device, repeats, scale)
     name = "train-tiny" if args.tiny else ("train" if device.type == "cuda" else "train-cpu")
+    if args.tf32:
+        name += "-tf32"
     out_dir = Path(args.out)
     path = write_json(name, payload, out_dir)
     plot(payload, out_dir / f"{name}.png")
