@@ -94,15 +94,17 @@ def main(argv=None):
                     if backend == "numba":
                         from pyg_maxk.ops import numba_ops
                         s = graph.schedule(numba_ops.max_edges_per_item(k))
-                        col, w = graph.kernel_col(), numba_ops.kernel_weight(graph)
-                        gv = numba_ops.sspmm_op(s.row, s.start, s.end, col, w, h.indices, grad,
-                                                nodes)
+                        col = graph.kernel_col()
+                        w, row_scale = numba_ops.kernel_weights(graph)
+                        gv = numba_ops.sspmm_op(s.row, s.start, s.end, col, w, row_scale,
+                                                h.indices, grad, nodes)
                         ref_gv = torch.sparse.mm(a_t, grad).gather(1, h.long_indices())
                         row["sspmm_rel_error"] = rel_error(gv, ref_gv)
                         assert row["sspmm_rel_error"] < 1e-4, row
                         row["maxk_sspmm"] = time_ms(
-                            lambda: numba_ops.sspmm_op(s.row, s.start, s.end, col, w, h.indices,
-                                                       grad, nodes), device, repeats=repeats)
+                            lambda: numba_ops.sspmm_op(s.row, s.start, s.end, col, w, row_scale,
+                                                       h.indices, grad, nodes),
+                            device, repeats=repeats)
                         row["maxk_select"] = time_ms(lambda: pyg_maxk.maxk(x, k), device,
                                                      repeats=repeats)
                     else:

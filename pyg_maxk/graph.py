@@ -81,12 +81,17 @@ class CSRGraph:
         size (tuple): ``(num_src, num_dst)``.
         normalization (str): which normalisation :obj:`weight` already holds
             (``"sum"``, ``"mean"`` or ``"gcn"``); layers check it.
+        row_scale (torch.Tensor, optional): shape ``[num_dst]``, set when every
+            edge value of row ``i`` equals ``row_scale[i]`` (``"mean"``
+            without edge values: one over the in-degree), so that a kernel may
+            scale each output row once instead of every edge.
 
     Build one with :meth:`from_adj` rather than by hand.
     """
 
     def __init__(self, rowptr: Tensor, col: Tensor, weight: Optional[Tensor],
-                 size: Tuple[int, int], normalization: str = "sum") -> None:
+                 size: Tuple[int, int], normalization: str = "sum",
+                 row_scale: Optional[Tensor] = None) -> None:
         if normalization not in NORMALIZATIONS:
             raise ValueError(f"Unknown normalization {normalization!r}; "
                              f"choose one of {NORMALIZATIONS}")
@@ -96,12 +101,16 @@ class CSRGraph:
                              f"num_dst + 1 = {num_dst + 1}")
         if weight is not None and weight.numel() != col.numel():
             raise ValueError("weight and col must have one entry per edge")
+        if row_scale is not None and (weight is None or row_scale.numel() != num_dst):
+            raise ValueError("row_scale needs the edge weights it factors and one "
+                             "entry per target node")
         self.rowptr = rowptr
         self.col = col
         self.weight = weight
         self.num_src = num_src
         self.num_dst = num_dst
         self.normalization = normalization
+        self.row_scale = row_scale
         self._torch_csr: Dict[Tuple[torch.dtype, bool], Tensor] = {}
         self._schedules: Dict[int, WorkSchedule] = {}
         self._transposed: Optional[Tuple[Tensor, Tensor, Optional[Tensor]]] = None
@@ -128,8 +137,9 @@ class CSRGraph:
         if device == self.device:
             return self
         weight = None if self.weight is None else self.weight.to(device)
+        row_scale = None if self.row_scale is None else self.row_scale.to(device)
         return CSRGraph(self.rowptr.to(device), self.col.to(device), weight,
-                        self.size, self.normalization)
+                        self.size, self.normalization, row_scale)
 
     def __repr__(self) -> str:
         return (f"CSRGraph(num_src={self.num_src}, num_dst={self.num_dst}, "
@@ -221,18 +231,22 @@ class CSRGraph:
         rowptr = rowptr.to(index_dtype)
         col = col.to(index_dtype)
         weight = None if value is None else value.detach().to(dtype)
+        row_scale = None
         if normalization == "mean":
             deg = (rowptr[1:] - rowptr[:-1]).to(dtype)
             inv = 1.0 / deg.clamp(min=1)
             inv_per_edge = torch.repeat_interleave(inv, (rowptr[1:] - rowptr[:-1]).long(),
                                                    output_size=col.numel())
-            weight = inv_per_edge if weight is None else weight * inv_per_edge
+            if weight is None:
+                weight, row_scale = inv_per_edge, inv.contiguous()
+            else:
+                weight = weight * inv_per_edge
         elif normalization == "gcn":
             if weight is None:
                 raise ValueError("gcn normalisation needs edge values")
         return cls(rowptr.contiguous(), col.contiguous(),
                    None if weight is None else weight.contiguous(), size,
-                   normalization)
+                   normalization, row_scale)
 
     @classmethod
     def from_edge_index(cls, edge_index: Tensor, edge_weight: Optional[Tensor],

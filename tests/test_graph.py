@@ -37,6 +37,24 @@ def test_mean_normalisation_counts_multi_edges():
     assert graph.in_degree().tolist() == [1, 3, 0]
 
 
+def test_mean_without_edge_values_factors_into_a_row_scale():
+    ei = random_edge_index(12, 9, 60, seed=4)
+    graph = CSRGraph.from_adj(ei, (12, 9), normalization="mean", cache=False)
+    deg = graph.in_degree()
+    # Every edge value of a row is that row's scale: 1 / in-degree.
+    per_edge = torch.repeat_interleave(graph.row_scale, deg.long())
+    assert torch.equal(per_edge, graph.weight)
+    torch.testing.assert_close(graph.row_scale[deg > 0], 1.0 / deg[deg > 0].float())
+    assert graph.to("meta").row_scale.device.type == "meta"
+    # Edge values differ within a row, and sum/gcn weights are per edge: no scale.
+    weighted = CSRGraph.from_adj(ei, (12, 9), edge_weight=torch.rand(60) + 0.5,
+                                 normalization="mean", cache=False)
+    assert weighted.row_scale is None
+    assert CSRGraph.from_adj(ei, (12, 9), normalization="sum", cache=False).row_scale is None
+    with pytest.raises(ValueError, match="row_scale"):
+        CSRGraph(graph.rowptr, graph.col, None, graph.size, "mean", graph.row_scale)
+
+
 def test_cache_reuses_and_never_goes_stale():
     ei = random_edge_index(8, 8, 20)
     a = CSRGraph.from_adj(ei, (8, 8))

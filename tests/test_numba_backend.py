@@ -71,11 +71,15 @@ def check_kernels(graph, dim, k, seed=0, rtol=1e-5, atol=1e-5):
     return out, values.grad
 
 
-@pytest.mark.parametrize("normalization", ["sum", "mean", "gcn"])
-def test_spgemm_and_sspmm_against_float64(normalization):
+@pytest.mark.parametrize("normalization,weighted", [
+    ("sum", False), ("sum", True), ("mean", False), ("mean", True), ("gcn", True)])
+def test_spgemm_and_sspmm_against_float64(normalization, weighted):
+    # Kernels read edge values ("sum"/"mean" with edge weights, "gcn"), none
+    # ("sum"), or one scale per row ("mean" without edge weights).
     ei = random_edge_index(30, 30, 150, seed=1).to(DEVICE)
-    w = (torch.rand(150) + 0.1).to(DEVICE) if normalization != "mean" else None
+    w = (torch.rand(150) + 0.1).to(DEVICE) if weighted else None
     graph = CSRGraph.from_adj(ei, (30, 30), edge_weight=w, normalization=normalization)
+    assert (graph.row_scale is not None) == (normalization == "mean" and not weighted)
     check_kernels(graph, dim=40, k=6)
 
 
@@ -222,7 +226,7 @@ def test_custom_ops_pass_opcheck():
     s = graph.schedule(numba_ops.max_edges_per_item(3))
     values = h.values.clone().requires_grad_()
     args = (s.row, s.start, s.end, s.split, graph.kernel_col(),
-            numba_ops.kernel_weight(graph), values, h.indices, 10, 16)
+            *numba_ops.kernel_weights(graph), values, h.indices, 10, 16)
     torch.library.opcheck(numba_ops.spgemm_op.op, args,
                           test_utils=("test_schema", "test_autograd_registration",
                                       "test_faketensor"))
@@ -236,7 +240,7 @@ def test_custom_ops_pass_opcheck():
     grad_out = torch.randn(10, 16, device=DEVICE)
     torch.library.opcheck(numba_ops.sspmm_op.op,
                           (s.row, s.start, s.end, graph.kernel_col(),
-                           numba_ops.kernel_weight(graph), h.indices, grad_out, 10),
+                           *numba_ops.kernel_weights(graph), h.indices, grad_out, 10),
                           test_utils=("test_schema", "test_faketensor"))
 
 
@@ -256,7 +260,7 @@ def test_eager_calls_match_the_custom_ops():
         xs = x.clone().requires_grad_()
         values, indices = call(numba_ops.maxk_select_op, xs, 4)
         out = call(numba_ops.spgemm_op, s.row, s.start, s.end, s.split, graph.kernel_col(),
-                   numba_ops.kernel_weight(graph), values, indices, 12, 20)
+                   *numba_ops.kernel_weights(graph), values, indices, 12, 20)
         dense = call(numba_ops.cbsr_to_dense_op, values, indices, 20)
         (out * grad).sum().add((dense * grad).sum()).backward()
         results.append(((values, indices, out, dense), xs.grad))

@@ -188,29 +188,34 @@ def _item_launch(num_items: int, device: torch.device):
 
 
 def _spgemm(item_row: Tensor, item_start: Tensor, item_end: Tensor, item_split: Tensor,
-            col: Tensor, weight: Optional[Tensor], values: Tensor, indices: Tensor,
-            num_dst: int, dim: int) -> Tensor:
+            col: Tensor, weight: Optional[Tensor], row_scale: Optional[Tensor], values: Tensor,
+            indices: Tensor, num_dst: int, dim: int) -> Tensor:
     k = values.size(1)
     out = torch.zeros(num_dst, dim, dtype=KERNEL_DTYPE, device=values.device)
     num_items = item_row.numel()
     if num_items > 0:
         run, threads, blocks = _item_launch(num_items, values.device)
         v32 = values.detach().to(KERNEL_DTYPE).contiguous()
-        w = weight if weight is not None else item_start  # unread when unweighted
-        run(spgemm_kernel(dim, k, threads, weight is not None), blocks, threads, values.device,
-            item_row, item_start, item_end, item_split, col, w, v32.view(-1),
-            indices.contiguous().view(-1), out, num_items)
+        kernel = spgemm_kernel(dim, k, threads, weight is not None, row_scale is not None)
+        run(kernel, blocks, threads, values.device, item_row, item_start, item_end, item_split,
+            col, _or_unread(weight, item_start), _or_unread(row_scale, item_start),
+            v32.view(-1), indices.contiguous().view(-1), out, num_items)
     return out.to(values.dtype)
 
 
-def _spgemm_fake(item_row, item_start, item_end, item_split, col, weight, values, indices,
-                 num_dst, dim):
+def _spgemm_fake(item_row, item_start, item_end, item_split, col, weight, row_scale, values,
+                 indices, num_dst, dim):
     return values.new_empty(num_dst, dim)
 
 
+def _or_unread(optional: Optional[Tensor], stand_in: Tensor) -> Tensor:
+    """A kernel argument the kernel was compiled not to read when absent."""
+    return optional if optional is not None else stand_in
+
+
 def _sspmm(item_row: Tensor, item_start: Tensor, item_end: Tensor, col: Tensor,
-           weight: Optional[Tensor], indices: Tensor, grad_out: Tensor,
-           num_src: int) -> Tensor:
+           weight: Optional[Tensor], row_scale: Optional[Tensor], indices: Tensor,
+           grad_out: Tensor, num_src: int) -> Tensor:
     k = indices.size(1)
     dim = grad_out.size(1)
     grad_values = torch.zeros(num_src, k, dtype=KERNEL_DTYPE, device=grad_out.device)
@@ -218,14 +223,15 @@ def _sspmm(item_row: Tensor, item_start: Tensor, item_end: Tensor, col: Tensor,
     if num_items > 0:
         run, threads, blocks = _item_launch(num_items, grad_out.device)
         g32 = grad_out.detach().to(KERNEL_DTYPE).contiguous()
-        w = weight if weight is not None else item_start  # unread when unweighted
-        run(sspmm_kernel(dim, k, threads, weight is not None), blocks, threads, grad_out.device,
-            item_row, item_start, item_end, col, w, indices.contiguous().view(-1), g32,
-            grad_values.view(-1), num_items)
+        kernel = sspmm_kernel(dim, k, threads, weight is not None, row_scale is not None)
+        run(kernel, blocks, threads, grad_out.device, item_row, item_start, item_end, col,
+            _or_unread(weight, item_start), _or_unread(row_scale, item_start),
+            indices.contiguous().view(-1), g32, grad_values.view(-1), num_items)
     return grad_values.to(grad_out.dtype)
 
 
-def _sspmm_fake(item_row, item_start, item_end, col, weight, indices, grad_out, num_src):
+def _sspmm_fake(item_row, item_start, item_end, col, weight, row_scale, indices, grad_out,
+                num_src):
     return grad_out.new_empty(num_src, indices.size(1))
 
 
@@ -233,32 +239,37 @@ sspmm_op = KernelOp("sspmm", _sspmm, _sspmm_fake)
 
 
 def _spgemm_setup(ctx, inputs, output) -> None:
-    item_row, item_start, item_end, _, col, weight, values, indices, _, _ = inputs
+    item_row, item_start, item_end, _, col, weight, row_scale, values, indices, _, _ = inputs
     ctx.num_src = values.size(0)
     ctx.values_dtype = values.dtype
-    ctx.has_weight = weight is not None
+    ctx.has_weight, ctx.has_row_scale = weight is not None, row_scale is not None
     saved = [item_row, item_start, item_end, col, indices]
-    if weight is not None:
-        saved.append(weight)
+    saved += [t for t in (weight, row_scale) if t is not None]
     ctx.save_for_backward(*saved)
 
 
 def _spgemm_backward(ctx, grad_out):
     item_row, item_start, item_end, col, indices, *rest = ctx.saved_tensors
-    weight = rest[0] if ctx.has_weight else None
-    grad_values = sspmm_op(item_row, item_start, item_end, col, weight, indices,
+    weight = rest.pop(0) if ctx.has_weight else None
+    row_scale = rest.pop(0) if ctx.has_row_scale else None
+    grad_values = sspmm_op(item_row, item_start, item_end, col, weight, row_scale, indices,
                            grad_out, ctx.num_src).to(ctx.values_dtype)
-    return None, None, None, None, None, None, grad_values, None, None, None
+    return None, None, None, None, None, None, None, grad_values, None, None, None
 
 
 spgemm_op = KernelOp("spgemm", _spgemm, _spgemm_fake, _spgemm_setup, _spgemm_backward)
 
 
-def kernel_weight(graph: CSRGraph) -> Optional[Tensor]:
-    """The graph's edge values as the kernels read them (float32), or None."""
-    if graph.weight is None:
-        return None
-    return graph.weight if graph.weight.dtype == KERNEL_DTYPE else graph.weight.to(KERNEL_DTYPE)
+def _as_kernel_dtype(t: Optional[Tensor]) -> Optional[Tensor]:
+    return t if t is None or t.dtype == KERNEL_DTYPE else t.to(KERNEL_DTYPE)
+
+
+def kernel_weights(graph: CSRGraph) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """``(edge values, row scale)`` as the kernels read them (float32): the
+    row scale alone when the graph has one, else the edge values (or None)."""
+    if graph.row_scale is not None:
+        return None, _as_kernel_dtype(graph.row_scale)
+    return _as_kernel_dtype(graph.weight), None
 
 
 def supports(k: int, dim: int) -> bool:
@@ -268,8 +279,11 @@ def supports(k: int, dim: int) -> bool:
 
 
 def spgemm(graph: CSRGraph, h: CBSR) -> Tensor:
-    """``graph @ h`` as ``[num_dst, dim]``, differentiable w.r.t. ``h.values``."""
+    """``graph @ h`` as ``[num_dst, dim]``, differentiable w.r.t. ``h.values``.
+    A graph with a per-row scale (a mean without edge values) is aggregated
+    unweighted and scaled once per output row."""
     schedule: WorkSchedule = graph.schedule(max_edges_per_item(h.k))
+    weight, row_scale = kernel_weights(graph)
     return spgemm_op(schedule.row, schedule.start, schedule.end, schedule.split,
-                     graph.kernel_col(), kernel_weight(graph), h.values,
+                     graph.kernel_col(), weight, row_scale, h.values,
                      h.indices, graph.num_dst, h.dim)
