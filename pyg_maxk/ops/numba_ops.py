@@ -89,16 +89,28 @@ class KernelOp:
 
 
 # --------------------------------------------------------------- maxk ops
+def _rows_per_block() -> int:
+    """Rows (one per warp) of a select/densify block here (one warp in the
+    simulator)."""
+    return 1 if launcher().simulator else ROWS_PER_BLOCK
+
+
+def _row_launch(num_rows: int, device: torch.device):
+    """(launcher, rows per block, threads, blocks) for the warp-per-row kernels."""
+    run = launcher()
+    rows_per_block = _rows_per_block()
+    threads = WARP * rows_per_block
+    return (run, rows_per_block, threads,
+            min(-(-num_rows // rows_per_block), run.max_blocks(device, threads)))
+
+
 def _maxk_select(x: Tensor, k: int) -> Tuple[Tensor, Tensor]:
     n, dim = x.shape
     x32 = x.detach().to(KERNEL_DTYPE).contiguous()
     values = torch.empty(n, k, dtype=KERNEL_DTYPE, device=x.device)
     indices = torch.empty(n, k, dtype=index_dtype_for(dim), device=x.device)
     if n > 0:
-        run = launcher()
-        rows_per_block = 1 if run.simulator else ROWS_PER_BLOCK
-        threads = WARP * rows_per_block
-        blocks = min(-(-n // rows_per_block), run.max_blocks(x.device, threads))
+        run, rows_per_block, threads, blocks = _row_launch(n, x.device)
         run(select_kernel(dim, k, rows_per_block), blocks, threads, x.device, x32,
             x32.view(torch.int32), values, indices, n)
     return values.to(x.dtype), indices
@@ -109,19 +121,12 @@ def _maxk_select_fake(x: Tensor, k: int) -> Tuple[Tensor, Tensor]:
     return x.new_empty(n, k), x.new_empty(n, k, dtype=index_dtype_for(dim))
 
 
-def _densify_rows_per_block() -> int:
-    return 1 if launcher().simulator else ROWS_PER_BLOCK
-
-
 def _cbsr_to_dense(values: Tensor, indices: Tensor, dim: int) -> Tensor:
     n, k = values.shape
-    rows_per_block = _densify_rows_per_block()
     v32 = values.detach().to(KERNEL_DTYPE).contiguous()
     dense = torch.empty(n, dim, dtype=KERNEL_DTYPE, device=values.device)  # rows written whole
     if n > 0:
-        run = launcher()
-        threads = WARP * rows_per_block
-        blocks = min(-(-n // rows_per_block), run.max_blocks(values.device, threads))
+        run, rows_per_block, threads, blocks = _row_launch(n, values.device)
         run(densify_kernel(dim, k, rows_per_block), blocks, threads, values.device, v32,
             indices.contiguous(), dense, n)
     return dense.to(values.dtype)
@@ -163,7 +168,7 @@ def supports_to_dense(dim: int) -> bool:
     """Whether the densify kernel takes rows of width ``dim`` (one row per
     warp in shared memory); MaxK's widths (:data:`~pyg_maxk.ops.MAX_SELECT_DIM`)
     always fit."""
-    return densify_fits(dim, _densify_rows_per_block())
+    return densify_fits(dim, _rows_per_block())
 
 
 def to_dense(h: CBSR) -> Tensor:
