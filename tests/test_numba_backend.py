@@ -55,8 +55,8 @@ def reference_sspmm(graph: CSRGraph, h: CBSR, grad_out: torch.Tensor) -> torch.T
     return torch.sparse.mm(a_t, grad_out.double()).gather(1, h.long_indices())
 
 
-def check_kernels(graph, dim, k, seed=0, rtol=1e-5, atol=1e-5):
-    h = random_cbsr(graph.num_src, dim, k, seed)
+def check_kernels(graph, dim, k, seed=0, rtol=1e-5, atol=1e-5, h=None):
+    h = random_cbsr(graph.num_src, dim, k, seed) if h is None else h
     values = h.values.clone().requires_grad_()
     poison_allocator()
     with pyg_maxk.use_backend("numba"):
@@ -103,12 +103,13 @@ def test_one_lane_groups_and_slots_beyond_a_warp(dim, k):
 
 @pytest.mark.parametrize("k", [5, 12, 32, 64])
 def test_every_loads_in_flight_setting(k):
-    # The forward issues 4 (k=5, 64) or 8 (k=12, 32) neighbours' loads per
-    # lane at a time, over staged rounds of 128 neighbours (k <= 32) or 32
+    # The forward issues 4 (k=5, 64, and k=32 with 4 slots per load) or 8
+    # (k=12) neighbours' loads per lane at a time, over staged rounds of 128 neighbours (k <= 32) or 32
     # (k=64). A row of 300 edges spans several rounds, its last ending
     # part-way through a step, and at k >= 32 several work items.
-    from pyg_maxk.kernels.spgemm import staged_round, spgemm_unroll
-    assert spgemm_unroll(k) == (8 if 8 <= k <= 32 else 4)
+    from pyg_maxk.kernels.spgemm import spgemm_unroll, spgemm_vector_width, staged_round
+    width = spgemm_vector_width(k)
+    assert spgemm_unroll(k, width) == (8 if 8 <= k <= 32 and width == 1 else 4)
     assert staged_round(k) == (128 if k <= 32 else 32)
     others = torch.randint(0, 35, (90,), generator=torch.Generator().manual_seed(k))
     src = torch.cat([torch.arange(300) % 35, others])
@@ -116,6 +117,43 @@ def test_every_loads_in_flight_setting(k):
     w = (torch.rand(390) + 0.1).to(DEVICE)
     check_kernels(CSRGraph.from_adj(torch.stack([src, dst]).to(DEVICE), (35, 20), edge_weight=w),
                   dim=80, k=k)
+
+
+@pytest.mark.parametrize("dim,k,widths", [
+    (40, 8, (1, 2)), (80, 16, (2, 4)), (80, 32, (4, 4)), (300, 18, (2, 2)),
+    (300, 32, (4, 4)), (96, 64, (4, 4))])
+def test_vector_loads_and_atomics(dim, k, widths):
+    # A lane reads 2 or 4 CBSR slots per load (and adds to them with one
+    # atomic backward): index words of uint8 (dim <= 256) or int16 indices,
+    # with and without edge values, rows spanning several work items.
+    from pyg_maxk.kernels.spgemm import spgemm_vector_width, sspmm_vector_width
+    assert (spgemm_vector_width(k), sspmm_vector_width(k)) == widths
+    h = random_cbsr(35, dim, k, seed=k)
+    for width in set(widths):
+        words, used, bits = numba_ops._index_operand(h.indices, width, h.values.view(-1))
+        assert (used, bits) == (width, 8 * h.indices.element_size())
+        assert words.element_size() == width * h.indices.element_size()
+    others = torch.randint(0, 35, (90,), generator=torch.Generator().manual_seed(k))
+    src = torch.cat([torch.arange(300) % 35, others])
+    dst = torch.cat([torch.zeros(300, dtype=torch.long), torch.arange(90) % 19 + 1])
+    ei = torch.stack([src, dst]).to(DEVICE)
+    w = (torch.rand(390) + 0.1).to(DEVICE)
+    check_kernels(CSRGraph.from_adj(ei, (35, 20), edge_weight=w), dim=dim, k=k, h=h)
+    check_kernels(CSRGraph.from_adj(ei, (35, 20), normalization="mean"), dim=dim, k=k, h=h)
+
+
+def test_misaligned_cbsr_falls_back_to_single_slot_loads():
+    # CBSR arrays that are views at an odd offset cannot be read 4 slots at
+    # a time: the kernels read them one slot per load, with the same result.
+    h = random_cbsr(35, 80, 32, seed=5)
+    values = torch.empty(35 * 32 + 1, device=DEVICE)[1:].view(35, 32).copy_(h.values)
+    indices = torch.empty(35 * 32 + 1, dtype=torch.uint8, device=DEVICE)[1:].view(35, 32)
+    indices.copy_(h.indices)
+    assert numba_ops._index_operand(indices, 4, values.view(-1))[1] == 1
+    assert numba_ops._index_operand(h.indices, 4, values.view(-1))[1] == 1
+    ei = random_edge_index(35, 20, 300, seed=6).to(DEVICE)
+    check_kernels(CSRGraph.from_adj(ei, (35, 20), normalization="mean"), dim=80, k=32,
+                  h=CBSR(values, indices, 80))
 
 
 def test_too_wide_for_shared_memory_falls_back_to_torch():

@@ -23,7 +23,8 @@ from ..cbsr import CBSR, index_dtype_for
 from ..graph import CSRGraph, WorkSchedule
 from ..kernels._warp import WARP
 from ..kernels.maxk_select import ROWS_PER_BLOCK, densify_fits, densify_kernel, select_kernel
-from ..kernels.spgemm import fits_shared_memory, spgemm_kernel, sspmm_kernel
+from ..kernels.spgemm import (fits_shared_memory, spgemm_kernel, spgemm_vector_width,
+                              sspmm_kernel, sspmm_vector_width)
 from ._launch import launcher
 
 #: Threads of one SpGEMM/SSpMM block. The kernels work per warp; under the
@@ -192,6 +193,32 @@ def _item_launch(num_items: int, device: torch.device):
     return run, threads, min(-(-num_items // (threads // WARP)), run.max_blocks(device, threads))
 
 
+#: Integer types of 2, 4 and 8 bytes: words of indices the kernels read at once.
+_WORD_DTYPES = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _index_operand(indices: Tensor, width: int, *aligned: Tensor) -> Tuple[Tensor, int, int]:
+    """``(indices as the kernels read them, slots per load, bits per index)``.
+
+    The kernels read ``width`` slots per load when the flat indices (uint8 or
+    int16) can be viewed as words of that many indices and every float32
+    array read or written that many slots at a time (``aligned``) is aligned
+    to it (a fresh tensor is; a view into another may not be); else 1.
+    """
+    flat = indices.contiguous().view(-1)
+    bits = 8 * flat.element_size()
+    word_bytes = width * flat.element_size()
+    if (width == 1 or flat.dtype not in (torch.uint8, torch.int16)
+            or flat.data_ptr() % word_bytes or any(t.data_ptr() % (4 * width) for t in aligned)):
+        return flat, 1, bits
+    return flat.view(_WORD_DTYPES[word_bytes]), width, bits
+
+
+def _has_vector_atomics(device: torch.device) -> bool:
+    """Whether the GPU has float32 vector atomics (sm_90 and later)."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def _spgemm(item_row: Tensor, item_start: Tensor, item_end: Tensor, item_split: Tensor,
             col: Tensor, weight: Optional[Tensor], row_scale: Optional[Tensor], values: Tensor,
             indices: Tensor, num_dst: int, dim: int) -> Tensor:
@@ -200,11 +227,13 @@ def _spgemm(item_row: Tensor, item_start: Tensor, item_end: Tensor, item_split: 
     num_items = item_row.numel()
     if num_items > 0:
         run, threads, blocks = _item_launch(num_items, values.device)
-        v32 = values.detach().to(KERNEL_DTYPE).contiguous()
-        kernel = spgemm_kernel(dim, k, threads, weight is not None, row_scale is not None)
+        v32 = values.detach().to(KERNEL_DTYPE).contiguous().view(-1)
+        index_words, width, bits = _index_operand(indices, spgemm_vector_width(k), v32)
+        kernel = spgemm_kernel(dim, k, threads, weight is not None, row_scale is not None,
+                               width, bits)
         run(kernel, blocks, threads, values.device, item_row, item_start, item_end, item_split,
             col, _or_unread(weight, item_start), _or_unread(row_scale, item_start),
-            v32.view(-1), indices.contiguous().view(-1), out, num_items)
+            v32, index_words, out, num_items)
     return out.to(values.dtype)
 
 
@@ -228,10 +257,13 @@ def _sspmm(item_row: Tensor, item_start: Tensor, item_end: Tensor, col: Tensor,
     if num_items > 0:
         run, threads, blocks = _item_launch(num_items, grad_out.device)
         g32 = grad_out.detach().to(KERNEL_DTYPE).contiguous()
-        kernel = sspmm_kernel(dim, k, threads, weight is not None, row_scale is not None)
+        index_words, width, bits = _index_operand(indices, sspmm_vector_width(k),
+                                                   grad_values)
+        kernel = sspmm_kernel(dim, k, threads, weight is not None, row_scale is not None,
+                              width, bits, _has_vector_atomics(grad_out.device))
         run(kernel, blocks, threads, grad_out.device, item_row, item_start, item_end, col,
             _or_unread(weight, item_start), _or_unread(row_scale, item_start),
-            indices.contiguous().view(-1), g32, grad_values.view(-1), num_items)
+            index_words, g32, grad_values.view(-1), num_items)
     return grad_values.to(grad_out.dtype)
 
 
