@@ -8,9 +8,12 @@ values and ``k`` uint8 indices. On the Reddit-shaped graph the whole CBSR
 (232,965 x 32 x 5 bytes = 37 MB at k=32) fits in an H200's L2, so these are
 scattered 32-byte-sector reads from L2. The kernel below does only that -- a
 warp per run of edges, its lanes reading rows exactly as the SpGEMM's do, with
-the same number of loads in flight -- and sums what it reads. Its time is a
-floor for the SpGEMM at the same ``k``; the JSON puts the two side by side,
-with the sector rate achieved.
+the same number of loads in flight and slots per load -- and sums what it
+reads. Its time is a floor for the SpGEMM at the same ``k``; the JSON puts the
+two side by side, with the sector rate achieved, and also the same gather with
+one slot (a 4-byte load) per lane and load, which is what the SpGEMM did
+before its vector loads: at k >= 16 the load instructions, not the bytes,
+limited that one.
 """
 from __future__ import annotations
 
@@ -33,7 +36,8 @@ from pyg_maxk import CSRGraph  # noqa: E402
 from pyg_maxk.datasets import PRESETS, power_law_edge_index  # noqa: E402
 from pyg_maxk.kernels import cuda_module  # noqa: E402
 from pyg_maxk.kernels._warp import WARP  # noqa: E402
-from pyg_maxk.kernels.spgemm import spgemm_unroll  # noqa: E402
+from pyg_maxk.kernels._vector import vector_load  # noqa: E402
+from pyg_maxk.kernels.spgemm import neighbour_lanes, spgemm_unroll, spgemm_vector_width  # noqa: E402
 from pyg_maxk.ops import numba_ops  # noqa: E402
 
 from common import RESULTS, environment, pyplot, save, time_ms  # noqa: E402
@@ -43,22 +47,26 @@ from numba import float32, uint32  # noqa: E402
 
 
 @functools.lru_cache(maxsize=None)
-def gather_kernel(k: int, read_indices: bool, warps: int):
+def gather_kernel(k: int, read_indices: bool, warps: int, width: int = 1):
     """Sum the CBSR rows of every edge's source (values, and indices when
-    ``read_indices``), as many rows in flight per lane as the SpGEMM."""
-    lanes, groups, chunks = min(k, WARP), max(1, WARP // k), -(-k // WARP)
-    kk, last_slot, n_lanes, n_groups = uint32(k), uint32(k - 1), uint32(lanes), uint32(groups)
+    ``read_indices``), ``width`` slots per lane and load (``indices`` then
+    holds words of ``width`` indices), as many rows in flight per lane as
+    the SpGEMM."""
+    lanes = neighbour_lanes(k, width)
+    groups, chunks = WARP // lanes, -(-k // (lanes * width))
+    kk, last_slot, n_lanes, n_groups = uint32(k), uint32(k - width), uint32(lanes), uint32(groups)
     per_item = uint32(max(1, numba_ops.PAIRS_PER_ITEM // k))
-    w32, n_warps, one = uint32(WARP), uint32(warps), uint32(1)
-    unroll = spgemm_unroll(k)
+    w32, n_warps, one, vw = uint32(WARP), uint32(warps), uint32(1), uint32(width)
+    unroll = spgemm_unroll(k, width)
+    load = vector_load(width) if width > 1 else None
 
     @cuda.jit
     def gather(col, values, indices, out, num_edges):
         lane = uint32(cuda.threadIdx.x) % w32
         warp = uint32(cuda.threadIdx.x) // w32
         group = lane // n_lanes
-        slot = lane - group * n_lanes
-        val = cuda.local.array(unroll, float32)
+        slot = (lane - group * n_lanes) * vw
+        val = cuda.local.array((unroll, width), float32)
         pos = cuda.local.array(unroll, uint32)
         acc = float32(0.0)
         seen = uint32(0)
@@ -69,20 +77,30 @@ def gather_kernel(k: int, read_indices: bool, warps: int):
             e1 = min(e0 + per_item, uint32(num_edges))
             for e in range(e0 + group, e1, n_groups * uint32(unroll)):
                 for c in range(chunks):
-                    j = min(slot + uint32(c * WARP), last_slot)
+                    j = min(slot + uint32(c) * n_lanes * vw, last_slot)
                     for u in range(unroll):
                         s = uint32(col[min(e + uint32(u) * n_groups, e1 - one)]) * kk + j
-                        val[u] = values[s]
+                        if width == 1:
+                            val[u, 0] = values[s]
+                        else:
+                            loaded = load(values, s)
+                            for w in range(width):
+                                val[u, w] = loaded[w]
                         if read_indices:
-                            pos[u] = uint32(indices[s])
+                            pos[u] = uint32(indices[s // vw])
                     for u in range(unroll):
-                        acc += val[u]
+                        for w in range(width):
+                            acc += val[u, w]
                         if read_indices:
-                            seen += pos[u]
+                            seen ^= pos[u]
         out[uint32(cuda.blockIdx.x) * uint32(cuda.blockDim.x) + uint32(cuda.threadIdx.x)] = \
             acc + float32(seen)
 
     return gather
+
+
+#: Words of 2 or 4 uint8 indices, as the SpGEMM reads them.
+WORD_DTYPES = {2: torch.int16, 4: torch.int32}
 
 
 def sectors(nbytes: int) -> int:
@@ -100,7 +118,7 @@ def main(argv=None):
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
     if args.tiny:
-        device, nodes, edges, max_deg, ks, repeats = torch.device("cpu"), 100, 500, 50, [4], 1
+        device, nodes, edges, max_deg, ks, repeats = torch.device("cpu"), 100, 500, 50, [4, 16], 1
     else:
         device = torch.device("cuda")
         reddit = PRESETS["reddit-like"]
@@ -125,11 +143,17 @@ def main(argv=None):
             spgemm_ms = time_ms(lambda: pyg_maxk.aggregate(graph, h), device, warmup=warmup,
                                 repeats=repeats)["median_ms"]
         values, indices = h.values.reshape(-1), h.indices.reshape(-1)
-        row = {"k": k, "dim": args.dim, "unroll": spgemm_unroll(k), "cusparse_spmm_ms": dense_ms,
+        width = spgemm_vector_width(k)
+        row = {"k": k, "dim": args.dim, "slots_per_load": width,
+               "unroll": spgemm_unroll(k, width), "cusparse_spmm_ms": dense_ms,
                "maxk_spgemm_ms": spgemm_ms}
-        for name, with_indices in (("values", False), ("cbsr", True)):
-            kernel = gather_kernel(k, with_indices, threads // WARP)
-            ms = time_ms(lambda: run(kernel, blocks, threads, device, col, values, indices, out,
+        # As the SpGEMM reads them (``width`` slots per load), and one slot per
+        # load (4-byte loads: the load instructions, not the bytes, limit it).
+        for name, with_indices, w in (("values", False, width), ("cbsr", True, width),
+                                      ("cbsr_1slot", True, 1)):
+            kernel = gather_kernel(k, with_indices, threads // WARP, w)
+            words = indices if w == 1 else indices.view(WORD_DTYPES[w])
+            ms = time_ms(lambda: run(kernel, blocks, threads, device, col, values, words, out,
                                      col.numel()), device, warmup=warmup,
                          repeats=repeats)["median_ms"]
             per_edge = sectors(4 * k) + (sectors(k) if with_indices else 0)
@@ -140,7 +164,8 @@ def main(argv=None):
         rows.append(row)
         print(f"k {k:3d}: gather values {row['gather_values_ms']:.3f} ms, CBSR "
               f"{row['gather_cbsr_ms']:.3f} ms "
-              f"({row['gather_cbsr_gsectors_per_s']:.0f} G sectors/s)"
+              f"({row['gather_cbsr_gsectors_per_s']:.0f} G sectors/s; one slot per load "
+              f"{row['gather_cbsr_1slot_ms']:.3f} ms)"
               f" | SpGEMM {spgemm_ms:.3f} ms ({row['spgemm_over_gather']:.2f}x the gather) | "
               f"cuSPARSE {dense_ms:.3f} ms", flush=True)
     name = "gather_ceiling-tiny" if args.tiny else "gather_ceiling"
@@ -158,6 +183,7 @@ def plot(rows, path, hardware):
     ks = [r["k"] for r in rows]
     for key, label in (("maxk_spgemm_ms", "MaxK SpGEMM"),
                        ("gather_cbsr_ms", "gather CBSR rows only"),
+                       ("gather_cbsr_1slot_ms", "gather CBSR rows, 4-byte loads"),
                        ("gather_values_ms", "gather values only"),
                        ("cusparse_spmm_ms", "cuSPARSE SpMM (dense)")):
         ax.plot(ks, [r[key] for r in rows], marker="o", label=label)
