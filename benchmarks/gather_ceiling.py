@@ -179,7 +179,7 @@ def plot(rows, path, hardware):
     plt = pyplot()
     if plt is None:
         return
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(8.5, 4))
     ks = [r["k"] for r in rows]
     for key, label in (("maxk_spgemm_ms", "MaxK SpGEMM"),
                        ("gather_cbsr_ms", "gather CBSR rows only"),
@@ -192,7 +192,7 @@ def plot(rows, path, hardware):
     ax.set_xlabel("k")
     ax.set_ylabel("ms")
     ax.set_title(f"SpGEMM vs its gather floor, {hardware}")
-    ax.legend()
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
