@@ -80,3 +80,34 @@ def test_kernel_params_follow_numbas_array_layout():
     assert kernel_params([t, 4, u]) == [0, 0, 15, 4, t.data_ptr(), 3, 5, 20, 4,
                                         4,
                                         0, 0, 7, 1, u.data_ptr(), 7, 1]
+
+
+def test_forward_rows_are_padded_unless_that_costs_a_group():
+    # (groups, row stride) of the SpGEMM forward: rows one float apart in
+    # shared memory (popular columns of different groups in different banks)
+    # unless the padding leaves room for fewer groups.
+    from pyg_maxk.kernels.spgemm import ROW_PAD, SHARED_BYTES, group_rows
+
+    assert group_rows(32, 256, 4, width=4) == (4, 256 + ROW_PAD)
+    assert group_rows(8, 256, 4) == (4, 256 + ROW_PAD)
+    assert group_rows(16, 512, 4, width=2) == (4, 512 + ROW_PAD)
+    assert group_rows(2, 256, 4) == (11, 256)  # padded, only 10 fit
+    assert group_rows(3, SHARED_BYTES // 4 + 1, 4)[0] == 0  # not even one row
+
+
+def test_index_words_and_fallbacks():
+    # The kernels read 2 or 4 indices per load as one integer word, when the
+    # arrays are aligned to it; else (or for int32 indices) one per load.
+    from pyg_maxk.ops.numba_ops import _index_operand
+
+    idx = torch.randint(0, 200, (6, 32), dtype=torch.uint8)
+    values = torch.randn(6 * 32)
+    words, width, bits = _index_operand(idx, 4, values)
+    assert (words.dtype, width, bits) == (torch.int32, 4, 8)
+    assert torch.equal(words.view(torch.uint8).view(6, 32), idx)
+    assert _index_operand(idx.to(torch.int16), 2, values)[0].dtype == torch.int32
+    assert _index_operand(idx.to(torch.int16), 4, values)[0].dtype == torch.int64
+    assert _index_operand(idx.to(torch.int32), 4, values)[1:] == (1, 32)
+    assert _index_operand(idx, 4, torch.randn(6 * 32 + 1)[1:])[1] == 1  # values off by 4 bytes
+    assert _index_operand(torch.zeros(6 * 32 + 1, dtype=torch.uint8)[1:], 4, values)[1] == 1
+    assert _index_operand(idx, 1, values)[1] == 1

@@ -194,11 +194,6 @@ def group_rows(k: int, dim: int, warps: int, width: int = 1) -> Tuple[int, int]:
     return (padded, dim + ROW_PAD) if padded == fitting(dim) else (fitting(dim), dim)
 
 
-def lane_groups(k: int, dim: int, warps: int, width: int = 1) -> int:
-    """Neighbours a warp's forward processes side by side (:func:`group_rows`)."""
-    return group_rows(k, dim, warps, width)[0]
-
-
 def spgemm_unroll(k: int, width: int = 1) -> int:
     """Neighbours whose loads a lane of the forward issues before it applies
     their updates: 8 for ``8 <= k <= 32`` with 4-byte loads, else 4, as
@@ -216,7 +211,7 @@ def spgemm_unroll(k: int, width: int = 1) -> int:
 
 def fits_shared_memory(k: int, dim: int, warps: int) -> bool:
     """Whether the kernels' shared rows of width ``dim`` fit."""
-    return lane_groups(k, dim, warps) >= 1
+    return group_rows(k, dim, warps)[0] >= 1
 
 
 @functools.lru_cache(maxsize=None)
