@@ -263,9 +263,10 @@ def spgemm_kernel(dim: int, k: int, threads: int, weighted: bool, scaled: bool =
                   width: int = 1, index_bits: int = 8):
     """The compiled forward kernel for one ``(dim, k, threads, weighted,
     scaled, width, index_bits)``: ``weighted`` reads a value per edge,
-    ``scaled`` one per row; with ``width`` 4 a lane reads 4 slots per load and
-    ``indices`` is the flat CBSR indices viewed as words of 4 indices of
-    ``index_bits`` bits (uint32 or uint64), else the flat indices."""
+    ``scaled`` one per row; with ``width`` 2 or 4 a lane reads that many slots
+    per load and ``indices`` is the flat CBSR indices viewed as words of that
+    many indices of ``index_bits`` bits each (int16, int32 or int64), else the
+    flat indices."""
     warps = threads // WARP
     groups, row_stride = group_rows(k, dim, warps, width)
     if groups < 1:
@@ -365,8 +366,8 @@ def sspmm_kernel(dim: int, k: int, threads: int, weighted: bool, scaled: bool = 
     """The compiled backward kernel for one ``(dim, k, threads, weighted,
     scaled, width, index_bits, vector_atomics)``; ``indices`` (as for
     :func:`spgemm_kernel`) and ``grad_values`` are flat arrays; with ``width``
-    4 a lane adds to 4 slots at once, with one vector reduction when
-    ``vector_atomics`` (sm_90 and later)."""
+    2 or 4 a lane adds to that many slots at once, with one vector reduction
+    when ``vector_atomics`` (sm_90 and later)."""
     warps = threads // WARP
     if not fits_shared_memory(k, dim, warps):
         raise ValueError(f"dim={dim} is too wide for the SSpMM kernel's shared memory")
