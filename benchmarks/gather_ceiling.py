@@ -99,10 +99,6 @@ def gather_kernel(k: int, read_indices: bool, warps: int, width: int = 1):
     return gather
 
 
-#: Words of 2 or 4 uint8 indices, as the SpGEMM reads them.
-WORD_DTYPES = {2: torch.int16, 4: torch.int32}
-
-
 def sectors(nbytes: int) -> int:
     """32-byte sectors one row of ``nbytes`` (a power of two) touches."""
     return -(-nbytes // 32)
@@ -142,7 +138,7 @@ def main(argv=None):
         with pyg_maxk.use_backend("numba"):
             spgemm_ms = time_ms(lambda: pyg_maxk.aggregate(graph, h), device, warmup=warmup,
                                 repeats=repeats)["median_ms"]
-        values, indices = h.values.reshape(-1), h.indices.reshape(-1)
+        values = h.values.reshape(-1)
         width = spgemm_vector_width(k)
         row = {"k": k, "dim": args.dim, "slots_per_load": width,
                "unroll": spgemm_unroll(k, width), "cusparse_spmm_ms": dense_ms,
@@ -152,7 +148,8 @@ def main(argv=None):
         for name, with_indices, w in (("values", False, width), ("cbsr", True, width),
                                       ("cbsr_1slot", True, 1)):
             kernel = gather_kernel(k, with_indices, threads // WARP, w)
-            words = indices if w == 1 else indices.view(WORD_DTYPES[w])
+            words, used, _ = numba_ops._index_operand(h.indices, w, values)  # as the SpGEMM
+            assert used == w, "CBSR arrays not aligned for the SpGEMM's loads"
             ms = time_ms(lambda: run(kernel, blocks, threads, device, col, values, words, out,
                                      col.numel()), device, warmup=warmup,
                          repeats=repeats)["median_ms"]
