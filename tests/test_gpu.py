@@ -9,6 +9,7 @@ import torch
 
 import pyg_maxk
 from pyg_maxk import CSRGraph
+from pyg_maxk.ops import numba_ops
 
 from helpers import FORMS, adjacency, assert_same_as_stock, dense_reference, random_edge_index
 from test_layers import make_pair
@@ -37,6 +38,16 @@ def test_kernels_power_law_all_k(dim):
     graph = power_law_graph()
     assert int(graph.in_degree().max()) == 50_000
     for k in sorted({1, 2, 8, 32, dim // 2, dim - 1}):
+        check_kernels(graph, dim, k, seed=k, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dim", [64, 256, 300])
+def test_packed_rows_power_law(monkeypatch, dim):
+    # The forward reads small CBSR rows packed (values and indices in one
+    # sector) on graphs of PACK_MIN_EDGES edges and more; forced here.
+    monkeypatch.setattr(numba_ops, "PACK_MIN_EDGES", 0)
+    graph = power_law_graph(seed=4)
+    for k in (1, 2, 3, 4, 5, 6):
         check_kernels(graph, dim, k, seed=k, rtol=1e-4, atol=1e-4)
 
 

@@ -156,6 +156,24 @@ def test_misaligned_cbsr_falls_back_to_single_slot_loads():
                   h=CBSR(values, indices, 80))
 
 
+@pytest.mark.parametrize("dim,k", [(80, 1), (80, 2), (80, 6), (300, 5), (80, 7)])
+def test_packed_rows(monkeypatch, dim, k):
+    # Large graphs pack each small CBSR row (values, then indices) into one
+    # sector for the forward: uint8 and int16 indices, rows spanning several
+    # work items; k=7 does not fit and is read from the flat arrays. Same
+    # results either way.
+    from pyg_maxk.kernels.spgemm import packed_row_floats
+    monkeypatch.setattr(numba_ops, "PACK_MIN_EDGES", 0)
+    h = random_cbsr(35, dim, k, seed=k)
+    packed = numba_ops._spgemm_operands(h.values, h.indices, num_edges=1)[4]
+    assert packed == bool(packed_row_floats(k, 8 * h.indices.element_size())) == (k != 7)
+    monkeypatch.setattr(numba_ops, "PAIRS_PER_ITEM", 16 * k)
+    ei = random_edge_index(35, 20, 300, seed=k).to(DEVICE)
+    w = (torch.rand(300) + 0.1).to(DEVICE)
+    check_kernels(CSRGraph.from_adj(ei, (35, 20), edge_weight=w), dim=dim, k=k, h=h)
+    check_kernels(CSRGraph.from_adj(ei, (35, 20), normalization="mean"), dim=dim, k=k, h=h)
+
+
 def test_too_wide_for_shared_memory_falls_back_to_torch():
     from pyg_maxk.kernels.spgemm import SHARED_BYTES
     dim = SHARED_BYTES // 4 + 1
