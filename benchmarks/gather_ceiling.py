@@ -13,7 +13,9 @@ reads. Its time is a floor for the SpGEMM at the same ``k``; the JSON puts the
 two side by side, with the sector rate achieved, and also the same gather with
 one slot (a 4-byte load) per lane and load, which is what the SpGEMM did
 before its vector loads: at k >= 16 the load instructions, not the bytes,
-limited that one.
+limited that one. Where a row's values and indices fit in one 32-byte sector
+(k <= 6), it also gathers them packed so, as the SpGEMM reads them on large
+graphs (``numba_ops.packed_rows``): one sector per edge instead of two.
 """
 from __future__ import annotations
 
@@ -37,7 +39,8 @@ from pyg_maxk.datasets import PRESETS, power_law_edge_index  # noqa: E402
 from pyg_maxk.kernels import cuda_module  # noqa: E402
 from pyg_maxk.kernels._warp import WARP  # noqa: E402
 from pyg_maxk.kernels._vector import vector_load  # noqa: E402
-from pyg_maxk.kernels.spgemm import neighbour_lanes, spgemm_unroll, spgemm_vector_width  # noqa: E402
+from pyg_maxk.kernels.spgemm import (neighbour_lanes, packed_row_floats, spgemm_unroll,  # noqa: E402
+                                     spgemm_vector_width)
 from pyg_maxk.ops import numba_ops  # noqa: E402
 
 from common import RESULTS, environment, pyplot, save, time_ms  # noqa: E402
@@ -47,14 +50,19 @@ from numba import float32, uint32  # noqa: E402
 
 
 @functools.lru_cache(maxsize=None)
-def gather_kernel(k: int, read_indices: bool, warps: int, width: int = 1):
+def gather_kernel(k: int, read_indices: bool, warps: int, width: int = 1, packed: bool = False):
     """Sum the CBSR rows of every edge's source (values, and indices when
     ``read_indices``), ``width`` slots per lane and load (``indices`` then
     holds words of ``width`` indices), as many rows in flight per lane as
-    the SpGEMM."""
+    the SpGEMM; ``packed``: from packed rows of uint8 indices, as the
+    SpGEMM's (``values`` the rows, ``indices`` the same viewed as bytes)."""
+    row_floats = packed_row_floats(k, 8) if packed else k
+    per_float, lead = (4, uint32(k)) if packed else (1, uint32(0))
     lanes = neighbour_lanes(k, width)
     groups, chunks = WARP // lanes, -(-k // (lanes * width))
-    kk, last_slot, n_lanes, n_groups = uint32(k), uint32(k - width), uint32(lanes), uint32(groups)
+    kk, last_slot, n_lanes, n_groups = (uint32(row_floats), uint32(k - width), uint32(lanes),
+                                        uint32(groups))
+    pf = uint32(per_float)
     per_item = uint32(max(1, numba_ops.PAIRS_PER_ITEM // k))
     w32, n_warps, one, vw = uint32(WARP), uint32(warps), uint32(1), uint32(width)
     unroll = spgemm_unroll(k, width)
@@ -79,7 +87,8 @@ def gather_kernel(k: int, read_indices: bool, warps: int, width: int = 1):
                 for c in range(chunks):
                     j = min(slot + uint32(c) * n_lanes * vw, last_slot)
                     for u in range(unroll):
-                        s = uint32(col[min(e + uint32(u) * n_groups, e1 - one)]) * kk + j
+                        r0 = uint32(col[min(e + uint32(u) * n_groups, e1 - one)]) * kk
+                        s = r0 + j
                         if width == 1:
                             val[u, 0] = values[s]
                         else:
@@ -87,7 +96,7 @@ def gather_kernel(k: int, read_indices: bool, warps: int, width: int = 1):
                             for w in range(width):
                                 val[u, w] = loaded[w]
                         if read_indices:
-                            pos[u] = uint32(indices[s // vw])
+                            pos[u] = uint32(indices[((r0 + lead) * pf + j) // vw])
                     for u in range(unroll):
                         for w in range(width):
                             acc += val[u, w]
@@ -145,25 +154,41 @@ def main(argv=None):
                "maxk_spgemm_ms": spgemm_ms}
         # As the SpGEMM reads them (``width`` slots per load), and one slot per
         # load (4-byte loads: the load instructions, not the bytes, limit it).
-        for name, with_indices, w in (("values", False, width), ("cbsr", True, width),
-                                      ("cbsr_1slot", True, 1)):
-            kernel = gather_kernel(k, with_indices, threads // WARP, w)
-            words, used, _ = numba_ops._index_operand(h.indices, w, values)  # as the SpGEMM
-            assert used == w, "CBSR arrays not aligned for the SpGEMM's loads"
-            ms = time_ms(lambda: run(kernel, blocks, threads, device, col, values, words, out,
+        variants = [("values", False, width, False), ("cbsr", True, width, False),
+                    ("cbsr_1slot", True, 1, False)]
+        row_floats = packed_row_floats(k, 8)
+        if row_floats:
+            variants.append(("cbsr_packed", True, 1, True))
+        for name, with_indices, w, packed in variants:
+            kernel = gather_kernel(k, with_indices, threads // WARP, w, packed)
+            if packed:
+                packed_cbsr = numba_ops.packed_rows(h.values, h.indices, row_floats)
+                read, words = packed_cbsr.view(-1), packed_cbsr.view(torch.uint8).view(-1)
+            else:
+                read = values
+                words, used, _ = numba_ops._index_operand(h.indices, w, values)  # as the SpGEMM
+                assert used == w, "CBSR arrays not aligned for the SpGEMM's loads"
+            ms = time_ms(lambda: run(kernel, blocks, threads, device, col, read, words, out,
                                      col.numel()), device, warmup=warmup,
                          repeats=repeats)["median_ms"]
-            per_edge = sectors(4 * k) + (sectors(k) if with_indices else 0)
+            per_edge = (1 if packed else
+                        sectors(4 * k) + (sectors(k) if with_indices else 0))
+            if name == "cbsr":
+                flat_sums = out.clone()
+            elif packed:  # the same rows in the same lanes (one slot per load at k <= 6)
+                assert torch.equal(out, flat_sums), "packed gather read other rows"
             row[f"gather_{name}_ms"] = ms
             row[f"gather_{name}_sectors_per_edge"] = per_edge
             row[f"gather_{name}_gsectors_per_s"] = graph.num_edges * per_edge / ms / 1e6
-        row["spgemm_over_gather"] = spgemm_ms / row["gather_cbsr_ms"]
+        floor = row.get("gather_cbsr_packed_ms", row["gather_cbsr_ms"])
+        row["spgemm_over_gather"] = spgemm_ms / floor
         rows.append(row)
         print(f"k {k:3d}: gather values {row['gather_values_ms']:.3f} ms, CBSR "
               f"{row['gather_cbsr_ms']:.3f} ms "
               f"({row['gather_cbsr_gsectors_per_s']:.0f} G sectors/s; one slot per load "
               f"{row['gather_cbsr_1slot_ms']:.3f} ms)"
-              f" | SpGEMM {spgemm_ms:.3f} ms ({row['spgemm_over_gather']:.2f}x the gather) | "
+              + (f", packed {row['gather_cbsr_packed_ms']:.3f} ms" if row_floats else "")
+              + f" | SpGEMM {spgemm_ms:.3f} ms ({row['spgemm_over_gather']:.2f}x the gather) | "
               f"cuSPARSE {dense_ms:.3f} ms", flush=True)
     name = "gather_ceiling-tiny" if args.tiny else "gather_ceiling"
     payload = {"benchmark": "gather_ceiling", "environment": environment(device),
@@ -177,13 +202,15 @@ def plot(rows, path, hardware):
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(8.5, 4))
-    ks = [r["k"] for r in rows]
     for key, label in (("maxk_spgemm_ms", "MaxK SpGEMM"),
                        ("gather_cbsr_ms", "gather CBSR rows only"),
                        ("gather_cbsr_1slot_ms", "gather CBSR rows, 4-byte loads"),
+                       ("gather_cbsr_packed_ms", "gather packed CBSR rows (k <= 6)"),
                        ("gather_values_ms", "gather values only"),
                        ("cusparse_spmm_ms", "cuSPARSE SpMM (dense)")):
-        ax.plot(ks, [r[key] for r in rows], marker="o", label=label)
+        have = [r for r in rows if key in r]
+        if have:
+            ax.plot([r["k"] for r in have], [r[key] for r in have], marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("k")
