@@ -159,6 +159,14 @@ def densify_kernel(dim: int, k: int, rows_per_block: int):
     ahead = min(-(-k // WARP), DENSIFY_AHEAD)
     rest_from = uint32(ahead * WARP)  # slots beyond: loaded when their row is built
 
+    @cuda.jit(device=True, inline=True)
+    def load_ahead(values, indices, row, lane, val, pos):
+        """The first ``ahead * 32`` slots of ``row`` into the lanes' registers."""
+        for c in range(ahead):
+            j = min(lane + uint32(c * WARP), last)  # clamped: in bounds, never stored
+            val[c] = values[row, j]
+            pos[c] = uint32(indices[row, j])
+
     @cuda.jit
     def densify(values, indices, dense, num_rows):
         row_buf = cuda.shared.array((rows_per_block, dim), float32)
@@ -170,10 +178,7 @@ def densify_kernel(dim: int, k: int, rows_per_block: int):
         stride = uint32(cuda.gridDim.x) * rpb
         row = uint32(cuda.blockIdx.x) * rpb + warp
         if row < n:
-            for c in range(ahead):
-                j = min(lane + uint32(c * WARP), last)  # clamped: in bounds, never stored
-                val[c] = values[row, j]
-                pos[c] = uint32(indices[row, j])
+            load_ahead(values, indices, row, lane, val, pos)
         while row < n:  # warp-uniform
             following = row + stride
             for d in range(lane, d32, w32):
@@ -185,10 +190,7 @@ def densify_kernel(dim: int, k: int, rows_per_block: int):
             for j in range(lane + rest_from, kk, w32):
                 row_buf[warp, uint32(indices[row, j])] = values[row, j]
             if following < n:
-                for c in range(ahead):
-                    j = min(lane + uint32(c * WARP), last)
-                    val[c] = values[following, j]
-                    pos[c] = uint32(indices[following, j])
+                load_ahead(values, indices, following, lane, val, pos)
             sync()
             for d in range(lane, d32, w32):
                 dense[row, d] = row_buf[warp, d]

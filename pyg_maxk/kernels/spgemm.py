@@ -471,10 +471,7 @@ def sspmm_kernel(dim: int, k: int, threads: int, weighted: bool, scaled: bool = 
                             if live and q < n:
                                 a = nbr_w[warp, q] if weighted else float32(1.0)
                                 if width == 1:
-                                    g = buf[warp, pos[u]]
-                                    if weighted:
-                                        g *= a
-                                    cuda.atomic.add(grad_values, at[u], g)
+                                    cuda.atomic.add(grad_values, at[u], buf[warp, pos[u]] * a)
                                 elif width == 2:
                                     word = pos[u]
                                     add(grad_values, at[u], buf[warp, field(word, 0)] * a,
