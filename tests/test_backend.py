@@ -113,21 +113,17 @@ def test_index_words_and_fallbacks():
     assert _index_operand(idx, 1, values)[1] == 1
 
 
-def test_packed_rows_fit_one_sector():
-    # Packed CBSR rows (values, then indices) take a power-of-two number of
-    # floats within a 32-byte sector, or are not packed at all.
-    from pyg_maxk.kernels.spgemm import packed_row_floats
-    from pyg_maxk.ops.numba_ops import packed_rows
+def test_value_index_pairs():
+    # The forward's (value, index) pairs: float32 values beside their column
+    # indices (as float32), for k up to PAIRS_MAX_K.
+    from pyg_maxk.kernels.spgemm import PAIRS_MAX_K, reads_pairs
+    from pyg_maxk.ops.numba_ops import value_index_pairs
 
-    assert [packed_row_floats(k, 8) for k in (1, 2, 3, 4, 5, 6, 7, 8, 32)] == \
-        [2, 4, 4, 8, 8, 8, 0, 0, 0]
-    assert [packed_row_floats(k, 16) for k in (4, 5, 6)] == [8, 8, 0]
-    assert packed_row_floats(4, 32) == 8 and packed_row_floats(5, 32) == 0
+    assert reads_pairs(1) and reads_pairs(PAIRS_MAX_K) and not reads_pairs(PAIRS_MAX_K + 1)
     for index_dtype in (torch.uint8, torch.int16, torch.int32):
         values = torch.randn(5, 3, dtype=torch.float16)
-        idx = torch.randint(0, 100, (5, 3)).to(index_dtype)
-        rows = packed_rows(values, idx, 8)
-        assert rows.shape == (5, 8) and rows.dtype == torch.float32
-        assert torch.equal(rows[:, :3], values.float())
-        per_float = 4 // idx.element_size()
-        assert torch.equal(rows.view(index_dtype)[:, 3 * per_float:3 * per_float + 3], idx)
+        idx = torch.randint(0, 300 if index_dtype != torch.uint8 else 256, (5, 3)).to(index_dtype)
+        pairs = value_index_pairs(values, idx)
+        assert pairs.shape == (5, 3, 2) and pairs.dtype == torch.float32
+        assert torch.equal(pairs[..., 0], values.float())
+        assert torch.equal(pairs[..., 1].long(), idx.long())

@@ -42,12 +42,12 @@ def test_kernels_power_law_all_k(dim):
 
 
 @pytest.mark.parametrize("dim", [64, 256, 300])
-def test_packed_rows_power_law(monkeypatch, dim):
-    # The forward reads small CBSR rows packed (values and indices in one
-    # sector) on graphs of PACK_MIN_EDGES edges and more; forced here.
-    monkeypatch.setattr(numba_ops, "PACK_MIN_EDGES", 0)
+def test_value_index_pairs_power_law(monkeypatch, dim):
+    # The forward reads (value, index) pairs for k <= 16 on graphs of
+    # PAIRS_MIN_EDGES edges and more; forced here.
+    monkeypatch.setattr(numba_ops, "PAIRS_MIN_EDGES", 0)
     graph = power_law_graph(seed=4)
-    for k in (1, 2, 3, 4, 5, 6):
+    for k in (1, 2, 3, 4, 5, 8, 12, 16):
         check_kernels(graph, dim, k, seed=k, rtol=1e-4, atol=1e-4)
 
 

@@ -156,17 +156,17 @@ def test_misaligned_cbsr_falls_back_to_single_slot_loads():
                   h=CBSR(values, indices, 80))
 
 
-@pytest.mark.parametrize("dim,k", [(80, 1), (80, 2), (80, 6), (300, 5), (80, 7)])
-def test_packed_rows(monkeypatch, dim, k):
-    # Large graphs pack each small CBSR row (values, then indices) into one
-    # sector for the forward: uint8 and int16 indices, rows spanning several
-    # work items; k=7 does not fit and is read from the flat arrays. Same
+@pytest.mark.parametrize("dim,k", [(80, 1), (80, 5), (80, 16), (300, 8), (80, 17)])
+def test_value_index_pairs(monkeypatch, dim, k):
+    # On large graphs the forward reads the CBSR as (value, index) pairs up
+    # to k=16: uint8 and int16 indices, one or two slots per load, rows
+    # spanning several work items; k=17 is read from the flat arrays. Same
     # results either way.
-    from pyg_maxk.kernels.spgemm import packed_row_floats
-    monkeypatch.setattr(numba_ops, "PACK_MIN_EDGES", 0)
+    from pyg_maxk.kernels.spgemm import reads_pairs
+    monkeypatch.setattr(numba_ops, "PAIRS_MIN_EDGES", 0)
     h = random_cbsr(35, dim, k, seed=k)
-    packed = numba_ops._spgemm_operands(h.values, h.indices, num_edges=1)[4]
-    assert packed == bool(packed_row_floats(k, 8 * h.indices.element_size())) == (k != 7)
+    pairs = numba_ops._spgemm_operands(h.values, h.indices, num_edges=1)[4]
+    assert pairs == reads_pairs(k) == (k != 17)
     monkeypatch.setattr(numba_ops, "PAIRS_PER_ITEM", 16 * k)
     ei = random_edge_index(35, 20, 300, seed=k).to(DEVICE)
     w = (torch.rand(300) + 0.1).to(DEVICE)

@@ -48,9 +48,9 @@ Each lane keeps several neighbours' loads in flight (:func:`spgemm_unroll`
 forward, ``SSPMM_UNROLL`` backward): the warp stages a round of column ids
 in shared memory (:func:`staged_round`, coalesced loads), then issues the
 loads of several of those neighbours before using any. The CBSR arrays are
-passed flattened (``[N * k]``), or to the forward as one array of packed rows
-(:func:`packed_row_floats`). What the SASS (``cuobjdump -sass``, H200)
-showed and what was done about it:
+passed flattened (``[N * k]``), or to the forward as (value, index) pairs
+(:func:`reads_pairs`). What the SASS (``cuobjdump -sass``, H200) showed and
+what was done about it:
 
 * loop bounds mixing signed and unsigned integers were compared in float64
   (Numba types int64 with uint64 as float64): ``I2F.F64`` + ``DSETP`` in the
@@ -90,13 +90,13 @@ slot (about 130 G sectors/s, which an earlier version of this note took for
 the L2's limit) and 2.0-2.1 ms with 16-byte loads (275-282 G sectors/s): the
 number of load instructions, not the bytes, had limited it. The forward went
 from 5.3 to 4.6 ms and the backward from 4.9 to 4.5 ms (its vector atomic,
-``REDG.E.ADD.F32x4``, adds 4 slots at once). At k <= 8 a row's indices are a
-sector apart from its values whatever the width, and the gather stays at
-1.56 ms. Where a row's values and indices fit in one sector together
-(k <= 6), the forward reads them packed so (one sector per neighbour instead
-of two): k=4 2.14 -> 1.80 ms, the gather 1.58 -> 1.19 ms. At k=8 they take
-two sectors however they are laid out, and a packed 64-byte row measured
-slower (2.21 vs 2.08 ms).
+``REDG.E.ADD.F32x4``, adds 4 slots at once). At k=8 the gather stayed at
+1.56 ms whatever the width, while the values alone took 0.92 ms and one
+64-byte row per neighbour, read with one load instruction, 0.87 ms: every
+load instruction of a neighbour's row costs an L2 request, however few
+sectors it touches, and values and indices in separate arrays take two. Up
+to k=16 the forward therefore reads (value, index) pairs, one or two slots
+per load (:func:`reads_pairs`): k=8 2.03 -> 1.81 ms, k=4 2.14 -> 1.58 ms.
 
 What remains at k=32 is the shared-memory accumulation: its columns are
 random, so the read-add-write of a warp's 32 lanes meets about 3.5-way bank
@@ -214,23 +214,24 @@ def spgemm_unroll(k: int, width: int = 1) -> int:
     return 8 if 8 <= k <= WARP else 4
 
 
-#: Bytes of one 32-byte sector, the unit the L2 serves. A packed CBSR row (see
-#: :func:`packed_row_floats`) lies in one.
-SECTOR_BYTES = 32
+#: Largest ``k`` for which the forward reads the CBSR as (value, index) pairs
+#: (:func:`reads_pairs`); beyond it a row of pairs spans more than a cache line.
+PAIRS_MAX_K = 16
 
 
-def packed_row_floats(k: int, index_bits: int) -> int:
-    """Floats per row when the forward reads the CBSR *packed*: each row's
-    ``k`` float32 values, then its ``k`` indices, in a row of a power-of-two
-    size within one sector, so that a neighbour costs one sector instead of
-    two (one of values, one of indices); 0 where they do not fit (uint8
-    indices: ``k > 6``). H200, Reddit-shaped graph, dim 256, flat / packed:
-    k=1 2.57 / 2.16 ms, k=2 2.08 / 1.90 ms, k=4 2.14 / 1.80 ms. Packing more
-    per row measured no gain or a loss (k=8 in 64 bytes: 2.08 / 2.21 ms, k=16
-    in 128: 2.89 / 3.22 ms): the sectors, not the cache lines, count."""
-    need = -(-k * (32 + index_bits) // 32)
-    floats = 1 << max(0, need - 1).bit_length()
-    return floats if 4 * floats <= SECTOR_BYTES else 0
+def reads_pairs(k: int) -> bool:
+    """Whether the forward can read the CBSR as ``[N, k, 2]`` float32 (value,
+    index) pairs: a lane then gets a slot's value and its column with *one*
+    8-byte load (16 bytes for 2 slots), and a neighbour's whole row with one
+    load instruction per lane, where separate arrays of values and indices
+    take two instructions and two L2 requests. The number of requests, not
+    of sectors, limited the gather at small k: gathering a 64-byte row with
+    one instruction took 0.87 ms against 1.57 ms for the separate arrays'
+    40 bytes (H200, Reddit-shaped graph, k=8). SpGEMM, dim 256, flat / pairs:
+    k=1 2.50 / 1.95 ms, k=2 2.09 / 1.88, k=4 2.14 / 1.58, k=8 2.03 / 1.81,
+    k=16 2.88 / 2.73 ms (rows packed into one sector, values then indices,
+    read with two instructions: k=1 2.08, k=2 1.91, k=4 1.70 ms)."""
+    return k <= PAIRS_MAX_K
 
 
 def fits_shared_memory(k: int, dim: int, warps: int) -> bool:
@@ -239,12 +240,11 @@ def fits_shared_memory(k: int, dim: int, warps: int) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _stager(k: int, weighted: bool, row_floats: int = 0):
+def _stager(k: int, weighted: bool):
     """The device function both kernels use to stage a round of up to
-    :func:`staged_round` neighbours (times ``row_floats``, ``k`` unless given:
-    the offsets of their CBSR rows of values) and edge values in shared
-    memory, with coalesced loads."""
-    kk = uint32(row_floats or k)
+    :func:`staged_round` neighbours (times ``k``: their CBSR row offsets) and
+    edge values in shared memory, with coalesced loads."""
+    kk = uint32(k)
     per_lane = staged_round(k) // WARP
 
     @cuda.jit(device=True, inline=True)
@@ -285,21 +285,17 @@ def _layout(k: int, groups: int, width: int):
 
 @functools.lru_cache(maxsize=None)
 def spgemm_kernel(dim: int, k: int, threads: int, weighted: bool, scaled: bool = False,
-                  width: int = 1, index_bits: int = 8, packed: bool = False):
+                  width: int = 1, index_bits: int = 8, pairs: bool = False):
     """The compiled forward kernel for one ``(dim, k, threads, weighted,
-    scaled, width, index_bits, packed)``: ``weighted`` reads a value per edge,
+    scaled, width, index_bits, pairs)``: ``weighted`` reads a value per edge,
     ``scaled`` one per row; with ``width`` 2 or 4 a lane reads that many slots
     per load and ``indices`` is the flat CBSR indices viewed as words of that
     many indices of ``index_bits`` bits each (int16, int32 or int64), else the
-    flat indices. ``packed``: ``values`` is the flat buffer of packed rows
-    (:func:`packed_row_floats`) and ``indices`` the same buffer viewed as
-    indices or words of them."""
-    if packed and not packed_row_floats(k, index_bits):
-        raise ValueError(f"k={k} does not fit in one packed row")
-    # Row r's values start at float r * row_floats; its indices at index
-    # element (r * row_floats + lead) * per_float of the array ``indices``.
-    row_floats = packed_row_floats(k, index_bits) if packed else k
-    per_float, lead = (32 // index_bits, uint32(k)) if packed else (1, uint32(0))
+    flat indices. ``pairs``: ``values`` is the flat ``[N, k, 2]`` (value,
+    float32 column index) pairs (:func:`reads_pairs`; ``width`` 1 or 2) and
+    ``indices`` is not read."""
+    if pairs and (not reads_pairs(k) or width > 2):
+        raise ValueError(f"k={k}, width={width}: not read as (value, index) pairs")
     warps = threads // WARP
     groups, row_stride = group_rows(k, dim, warps, width)
     if groups < 1:
@@ -314,20 +310,21 @@ def spgemm_kernel(dim: int, k: int, threads: int, weighted: bool, scaled: bool =
     staged = staged_round(k)
     round_size = uint32(staged)
     sync = warp_sync()
-    stage = _stager(k, weighted, row_floats)
+    stage = _stager(k, weighted)
     load = vector_load(width) if width > 1 else None
+    load_pairs = vector_load(2 * width) if pairs else None
     field = _index_field(index_bits)
     word_type = _word_type(index_bits, width)
-    pf = uint32(per_float)
 
     @kernel_jit(max_registers=MAX_REGISTERS)
     def spgemm(item_row, item_start, item_end, item_split, col, weight, scale,
                values, indices, out, num_items):
         acc = cuda.shared.array((warps, groups, row_stride), float32)
-        nbr = cuda.shared.array((warps, staged), uint32)    # neighbour * row_floats
+        nbr = cuda.shared.array((warps, staged), uint32)    # neighbour * k
         nbr_w = cuda.shared.array((warps, staged), float32)
         val = cuda.local.array((unroll, width), float32)  # registers after unrolling
         pos = cuda.local.array(unroll, word_type)
+        pair_pos = cuda.local.array((unroll, width), uint32)
         lane = uint32(cuda.threadIdx.x) % w32
         warp = uint32(cuda.threadIdx.x) // w32
         group = lane // n_lanes
@@ -356,17 +353,20 @@ def spgemm_kernel(dim: int, k: int, threads: int, weighted: bool, scaled: bool =
                         # branches: a neighbour past the round's end is clamped to
                         # its last one (always in bounds); the update skips it.
                         for u in range(unroll):
-                            r0 = nbr[warp, min(first + uint32(u) * n_groups, n - one)]
-                            s = r0 + jj
-                            t = (r0 + lead) * pf + jj
-                            if width == 1:
+                            s = nbr[warp, min(first + uint32(u) * n_groups, n - one)] + jj
+                            if pairs:
+                                both = load_pairs(values, s * uint32(2))
+                                for w in range(width):
+                                    val[u, w] = both[2 * w]
+                                    pair_pos[u, w] = uint32(both[2 * w + 1])
+                            elif width == 1:
                                 val[u, 0] = values[s]
-                                pos[u] = uint32(indices[t])
+                                pos[u] = uint32(indices[s])
                             else:
                                 loaded = load(values, s)
                                 for w in range(width):
                                     val[u, w] = loaded[w]
-                                pos[u] = word_type(indices[t // vw])
+                                pos[u] = word_type(indices[s // vw])
                         for u in range(unroll):
                             q = first + uint32(u) * n_groups
                             if live and q < n:
@@ -374,7 +374,12 @@ def spgemm_kernel(dim: int, k: int, threads: int, weighted: bool, scaled: bool =
                                     v = val[u, w]
                                     if weighted:
                                         v *= nbr_w[warp, q]
-                                    p = pos[u] if width == 1 else field(pos[u], w)
+                                    if pairs:
+                                        p = pair_pos[u, w]
+                                    elif width == 1:
+                                        p = pos[u]
+                                    else:
+                                        p = field(pos[u], w)
                                     acc[warp, my_row, p] += v
                             sync()  # the next neighbour may hit the same column
             split = item_split[item]

@@ -23,7 +23,7 @@ from ..cbsr import CBSR, index_dtype_for
 from ..graph import CSRGraph, WorkSchedule
 from ..kernels._warp import WARP
 from ..kernels.maxk_select import ROWS_PER_BLOCK, densify_fits, densify_kernel, select_kernel
-from ..kernels.spgemm import (fits_shared_memory, packed_row_floats, spgemm_kernel,
+from ..kernels.spgemm import (fits_shared_memory, reads_pairs, spgemm_kernel,
                               spgemm_vector_width, sspmm_kernel, sspmm_vector_width)
 from ._launch import launcher
 
@@ -36,12 +36,12 @@ SIM_THREADS = WARP
 #: edges than ``PAIRS_PER_ITEM // k`` is cut into several items.
 PAIRS_PER_ITEM = 8192
 KERNEL_DTYPE = torch.float32
-#: Edges from which the forward packs small CBSR rows (values and indices in
-#: one sector per row, :func:`~pyg_maxk.kernels.spgemm.packed_row_floats`)
-#: before it runs. Packing costs two copy launches (28 us of host time, 0.04
-#: ms on the GPU for a Reddit-shaped CBSR) and saves a sector per edge (k=4:
-#: 0.34 ms over 114M edges, about 3 us per million).
-PACK_MIN_EDGES = 1 << 24
+#: Edges from which the forward reads the CBSR as (value, index) pairs
+#: (:func:`value_index_pairs`, :func:`~pyg_maxk.kernels.spgemm.reads_pairs`).
+#: Building them costs two copy launches (about 28 us of host time; 0.04 ms
+#: on an H200 for a Reddit-shaped CBSR) and saves one L2 request per edge
+#: (k=8: 0.22 ms over 114M edges, about 2 us per million edges).
+PAIRS_MIN_EDGES = 1 << 24
 
 
 def block_threads() -> int:
@@ -225,29 +225,24 @@ def _has_vector_atomics(device: torch.device) -> bool:
     return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-def packed_rows(values: Tensor, indices: Tensor, row_floats: int) -> Tensor:
-    """``[N, row_floats]`` float32 rows, each holding its CBSR row's ``k``
-    values (as float32) and then its ``k`` indices (the bytes after the
-    indices are never read)."""
-    n, k = values.shape
-    rows = torch.empty(n, row_floats, dtype=KERNEL_DTYPE, device=values.device)
-    rows[:, :k] = values.detach()
-    lead = k * (KERNEL_DTYPE.itemsize // indices.element_size())
-    rows.view(indices.dtype)[:, lead:lead + k] = indices
-    return rows
+def value_index_pairs(values: Tensor, indices: Tensor) -> Tensor:
+    """``[N, k, 2]`` float32: each slot's value (as float32) beside its column
+    index (as float32, exact below 2**24), the CBSR as the forward reads it
+    on large graphs (:func:`~pyg_maxk.kernels.spgemm.reads_pairs`)."""
+    pairs = torch.empty(*values.shape, 2, dtype=KERNEL_DTYPE, device=values.device)
+    pairs[..., 0] = values.detach()
+    pairs[..., 1] = indices
+    return pairs
 
 
 def _spgemm_operands(values: Tensor, indices: Tensor, num_edges: int):
-    """``(values, indices, width, index bits, packed)`` as the forward kernel
-    reads them: packed rows (:func:`packed_rows`) on large graphs where a row
-    fits in a sector, else the flat arrays."""
+    """``(values, indices, width, index bits, pairs)`` as the forward kernel
+    reads them: (value, index) pairs on large graphs (the kernel reads no
+    ``indices`` then), else the flat arrays."""
     k = values.size(1)
-    bits = 8 * indices.element_size()
-    row_floats = packed_row_floats(k, bits) if num_edges >= PACK_MIN_EDGES else 0
-    if row_floats:
-        rows = packed_rows(values, indices, row_floats)
-        words, width, bits = _index_operand(rows.view(indices.dtype), spgemm_vector_width(k))
-        return rows.view(-1), words, width, bits, True
+    if reads_pairs(k) and num_edges >= PAIRS_MIN_EDGES:
+        pairs = value_index_pairs(values, indices).view(-1)
+        return pairs, pairs, spgemm_vector_width(k), 8 * indices.element_size(), True
     v32 = values.detach().to(KERNEL_DTYPE).contiguous().view(-1)
     words, width, bits = _index_operand(indices, spgemm_vector_width(k), v32)
     return v32, words, width, bits, False
@@ -261,9 +256,9 @@ def _spgemm(item_row: Tensor, item_start: Tensor, item_end: Tensor, item_split: 
     num_items = item_row.numel()
     if num_items > 0:
         run, threads, blocks = _item_launch(num_items, values.device)
-        v32, index_words, width, bits, packed = _spgemm_operands(values, indices, col.numel())
+        v32, index_words, width, bits, pairs = _spgemm_operands(values, indices, col.numel())
         kernel = spgemm_kernel(dim, k, threads, weight is not None, row_scale is not None,
-                               width, bits, packed)
+                               width, bits, pairs)
         run(kernel, blocks, threads, values.device, item_row, item_start, item_end, item_split,
             col, _or_unread(weight, item_start), _or_unread(row_scale, item_start),
             v32, index_words, out, num_items)
