@@ -13,9 +13,10 @@ reads. Its time is a floor for the SpGEMM at the same ``k``; the JSON puts the
 two side by side, with the sector rate achieved, and also the same gather with
 one slot (a 4-byte load) per lane and load, which is what the SpGEMM did
 before its vector loads: at k >= 16 the load instructions, not the bytes,
-limited that one. Where a row's values and indices fit in one 32-byte sector
-(k <= 6), it also gathers them packed so, as the SpGEMM reads them on large
-graphs (``numba_ops.packed_rows``): one sector per edge instead of two.
+limited that one. Up to k=16 it also gathers the rows as (value, index)
+pairs, one load for both (``numba_ops.value_index_pairs``), as the SpGEMM
+reads them on large graphs: each load instruction of a row costs an L2
+request, and separate values and indices take two.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ from pyg_maxk.datasets import PRESETS, power_law_edge_index  # noqa: E402
 from pyg_maxk.kernels import cuda_module  # noqa: E402
 from pyg_maxk.kernels._warp import WARP  # noqa: E402
 from pyg_maxk.kernels._vector import vector_load  # noqa: E402
-from pyg_maxk.kernels.spgemm import (neighbour_lanes, packed_row_floats, spgemm_unroll,  # noqa: E402
+from pyg_maxk.kernels.spgemm import (neighbour_lanes, reads_pairs, spgemm_unroll,  # noqa: E402
                                      spgemm_vector_width)
 from pyg_maxk.ops import numba_ops  # noqa: E402
 
@@ -50,23 +51,20 @@ from numba import float32, uint32  # noqa: E402
 
 
 @functools.lru_cache(maxsize=None)
-def gather_kernel(k: int, read_indices: bool, warps: int, width: int = 1, packed: bool = False):
+def gather_kernel(k: int, read_indices: bool, warps: int, width: int = 1, pairs: bool = False):
     """Sum the CBSR rows of every edge's source (values, and indices when
     ``read_indices``), ``width`` slots per lane and load (``indices`` then
     holds words of ``width`` indices), as many rows in flight per lane as
-    the SpGEMM; ``packed``: from packed rows of uint8 indices, as the
-    SpGEMM's (``values`` the rows, ``indices`` the same viewed as bytes)."""
-    row_floats = packed_row_floats(k, 8) if packed else k
-    per_float, lead = (4, uint32(k)) if packed else (1, uint32(0))
+    the SpGEMM; ``pairs``: ``values`` holds (value, index) pairs, read
+    together."""
     lanes = neighbour_lanes(k, width)
     groups, chunks = WARP // lanes, -(-k // (lanes * width))
-    kk, last_slot, n_lanes, n_groups = (uint32(row_floats), uint32(k - width), uint32(lanes),
-                                        uint32(groups))
-    pf = uint32(per_float)
+    kk, last_slot, n_lanes, n_groups = uint32(k), uint32(k - width), uint32(lanes), uint32(groups)
     per_item = uint32(max(1, numba_ops.PAIRS_PER_ITEM // k))
     w32, n_warps, one, vw = uint32(WARP), uint32(warps), uint32(1), uint32(width)
     unroll = spgemm_unroll(k, width)
     load = vector_load(width) if width > 1 else None
+    load_pairs = vector_load(2 * width) if pairs else None
 
     @cuda.jit
     def gather(col, values, indices, out, num_edges):
@@ -87,20 +85,24 @@ def gather_kernel(k: int, read_indices: bool, warps: int, width: int = 1, packed
                 for c in range(chunks):
                     j = min(slot + uint32(c) * n_lanes * vw, last_slot)
                     for u in range(unroll):
-                        r0 = uint32(col[min(e + uint32(u) * n_groups, e1 - one)]) * kk
-                        s = r0 + j
-                        if width == 1:
+                        s = uint32(col[min(e + uint32(u) * n_groups, e1 - one)]) * kk + j
+                        if pairs:
+                            both = load_pairs(values, s * uint32(2))
+                            for w in range(width):
+                                val[u, w] = both[2 * w]
+                            pos[u] = uint32(both[1])
+                        elif width == 1:
                             val[u, 0] = values[s]
                         else:
                             loaded = load(values, s)
                             for w in range(width):
                                 val[u, w] = loaded[w]
-                        if read_indices:
-                            pos[u] = uint32(indices[((r0 + lead) * pf + j) // vw])
+                        if read_indices and not pairs:
+                            pos[u] = uint32(indices[s // vw])
                     for u in range(unroll):
                         for w in range(width):
                             acc += val[u, w]
-                        if read_indices:
+                        if read_indices or pairs:
                             seen ^= pos[u]
         out[uint32(cuda.blockIdx.x) * uint32(cuda.blockDim.x) + uint32(cuda.threadIdx.x)] = \
             acc + float32(seen)
@@ -156,14 +158,12 @@ def main(argv=None):
         # load (4-byte loads: the load instructions, not the bytes, limit it).
         variants = [("values", False, width, False), ("cbsr", True, width, False),
                     ("cbsr_1slot", True, 1, False)]
-        row_floats = packed_row_floats(k, 8)
-        if row_floats:
-            variants.append(("cbsr_packed", True, 1, True))
-        for name, with_indices, w, packed in variants:
-            kernel = gather_kernel(k, with_indices, threads // WARP, w, packed)
-            if packed:
-                packed_cbsr = numba_ops.packed_rows(h.values, h.indices, row_floats)
-                read, words = packed_cbsr.view(-1), packed_cbsr.view(torch.uint8).view(-1)
+        if reads_pairs(k):
+            variants.append(("pairs", True, width, True))
+        for name, with_indices, w, pairs in variants:
+            kernel = gather_kernel(k, with_indices, threads // WARP, w, pairs)
+            if pairs:
+                read = words = numba_ops.value_index_pairs(h.values, h.indices).view(-1)
             else:
                 read = values
                 words, used, _ = numba_ops._index_operand(h.indices, w, values)  # as the SpGEMM
@@ -171,23 +171,23 @@ def main(argv=None):
             ms = time_ms(lambda: run(kernel, blocks, threads, device, col, read, words, out,
                                      col.numel()), device, warmup=warmup,
                          repeats=repeats)["median_ms"]
-            per_edge = (1 if packed else
+            per_edge = (sectors(8 * k) if pairs else
                         sectors(4 * k) + (sectors(k) if with_indices else 0))
             if name == "cbsr":
                 flat_sums = out.clone()
-            elif packed:  # the same rows in the same lanes (one slot per load at k <= 6)
-                assert torch.equal(out, flat_sums), "packed gather read other rows"
+            elif pairs and w == 1:  # the same slots in the same lanes and order
+                assert torch.equal(out, flat_sums), "the pairs gather read other rows"
             row[f"gather_{name}_ms"] = ms
             row[f"gather_{name}_sectors_per_edge"] = per_edge
             row[f"gather_{name}_gsectors_per_s"] = graph.num_edges * per_edge / ms / 1e6
-        floor = row.get("gather_cbsr_packed_ms", row["gather_cbsr_ms"])
+        floor = row.get("gather_pairs_ms", row["gather_cbsr_ms"])  # as the SpGEMM reads
         row["spgemm_over_gather"] = spgemm_ms / floor
         rows.append(row)
         print(f"k {k:3d}: gather values {row['gather_values_ms']:.3f} ms, CBSR "
               f"{row['gather_cbsr_ms']:.3f} ms "
               f"({row['gather_cbsr_gsectors_per_s']:.0f} G sectors/s; one slot per load "
               f"{row['gather_cbsr_1slot_ms']:.3f} ms)"
-              + (f", packed {row['gather_cbsr_packed_ms']:.3f} ms" if row_floats else "")
+              + (f", pairs {row['gather_pairs_ms']:.3f} ms" if reads_pairs(k) else "")
               + f" | SpGEMM {spgemm_ms:.3f} ms ({row['spgemm_over_gather']:.2f}x the gather) | "
               f"cuSPARSE {dense_ms:.3f} ms", flush=True)
     name = "gather_ceiling-tiny" if args.tiny else "gather_ceiling"
@@ -205,7 +205,7 @@ def plot(rows, path, hardware):
     for key, label in (("maxk_spgemm_ms", "MaxK SpGEMM"),
                        ("gather_cbsr_ms", "gather CBSR rows only"),
                        ("gather_cbsr_1slot_ms", "gather CBSR rows, 4-byte loads"),
-                       ("gather_cbsr_packed_ms", "gather packed CBSR rows (k <= 6)"),
+                       ("gather_pairs_ms", "gather (value, index) pairs (k <= 16)"),
                        ("gather_values_ms", "gather values only"),
                        ("cusparse_spmm_ms", "cuSPARSE SpMM (dense)")):
         have = [r for r in rows if key in r]
