@@ -174,6 +174,16 @@ def test_value_index_pairs(monkeypatch, dim, k):
     check_kernels(CSRGraph.from_adj(ei, (35, 20), normalization="mean"), dim=dim, k=k, h=h)
 
 
+def test_features_beyond_32_bit_offsets_are_a_clear_error():
+    # The kernels index CBSR slots with uint32; the forward's (value, index)
+    # pairs (k <= 16) take two per slot.
+    for rows, k in ((2**27 - 1, 32), (2**27 - 1, 16), (2**28 - 1, 8)):
+        numba_ops.check_cbsr_offsets(rows, k)
+    for rows, k in ((2**27, 32), (2**27, 16), (2**28, 8)):
+        with pytest.raises(ValueError, match="uint32"):
+            numba_ops.check_cbsr_offsets(rows, k)
+
+
 def test_too_wide_for_shared_memory_falls_back_to_torch():
     from pyg_maxk.kernels.spgemm import SHARED_BYTES
     dim = SHARED_BYTES // 4 + 1

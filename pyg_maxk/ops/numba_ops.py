@@ -36,6 +36,7 @@ SIM_THREADS = WARP
 #: edges than ``PAIRS_PER_ITEM // k`` is cut into several items.
 PAIRS_PER_ITEM = 8192
 KERNEL_DTYPE = torch.float32
+UINT32_MAX = 2**32 - 1
 #: Edges from which the forward reads the CBSR as (value, index) pairs
 #: (:func:`value_index_pairs`, :func:`~pyg_maxk.kernels.spgemm.reads_pairs`).
 #: Building them costs two copy launches (about 28 us of host time; 0.04 ms
@@ -343,10 +344,22 @@ def supports(k: int, dim: int) -> bool:
     return fits_shared_memory(k, dim, block_threads() // WARP)
 
 
+def check_cbsr_offsets(num_rows: int, k: int) -> None:
+    """Raise unless the kernels' uint32 offsets reach every CBSR slot (``row *
+    k + slot``, twice that in the forward's (value, index) pairs)."""
+    slots = num_rows * k * (2 if reads_pairs(k) else 1)
+    if slots > UINT32_MAX:
+        raise ValueError(
+            f"The pyg_maxk kernels index CBSR slots with uint32 and these features "
+            f"need {slots} ({num_rows} rows, k={k}; limit {UINT32_MAX}). Split the "
+            f"graph (e.g. NeighborLoader) or use the 'torch' backend.")
+
+
 def spgemm(graph: CSRGraph, h: CBSR) -> Tensor:
     """``graph @ h`` as ``[num_dst, dim]``, differentiable w.r.t. ``h.values``.
     A graph with a per-row scale (a mean without edge values) is aggregated
     unweighted and scaled once per output row."""
+    check_cbsr_offsets(h.num_rows, h.k)
     schedule: WorkSchedule = graph.schedule(max_edges_per_item(h.k))
     weight, row_scale = kernel_weights(graph)
     return spgemm_op(schedule.row, schedule.start, schedule.end, schedule.split,
