@@ -176,12 +176,14 @@ def test_value_index_pairs(monkeypatch, dim, k):
 
 def test_features_beyond_32_bit_offsets_are_a_clear_error():
     # The kernels index CBSR slots with uint32; the forward's (value, index)
-    # pairs (k <= 16) take two per slot.
+    # pairs (k <= 16 on large graphs) take two per slot.
+    large = numba_ops.PAIRS_MIN_EDGES
     for rows, k in ((2**27 - 1, 32), (2**27 - 1, 16), (2**28 - 1, 8)):
-        numba_ops.check_cbsr_offsets(rows, k)
+        numba_ops.check_cbsr_offsets(rows, k, large)
+    numba_ops.check_cbsr_offsets(2**27, 16, large - 1)  # read flat on a smaller graph
     for rows, k in ((2**27, 32), (2**27, 16), (2**28, 8)):
         with pytest.raises(ValueError, match="uint32"):
-            numba_ops.check_cbsr_offsets(rows, k)
+            numba_ops.check_cbsr_offsets(rows, k, large)
 
 
 def test_too_wide_for_shared_memory_falls_back_to_torch():

@@ -153,9 +153,10 @@ def spgemm_vector_width(k: int) -> int:
     load of values, one word of indices), as measured on an H200 (Reddit-
     shaped graph, dim 256; 1 / 2 / 4 slots): k=8 2.04 / 2.36 / - ms, k=16
     3.05 / 2.90 / 3.35 ms, k=32 5.31 / 4.70 / 4.63 ms, k=64 10.0 / 9.21 /
-    8.27 ms. At k=8 the separate sector of indices, not the load count,
-    limits the gather; at k=16, 4 slots per lane put 8 neighbours side by
-    side, whose shared rows cost occupancy."""
+    8.27 ms. At k=8 wider loads do not pay (the separate load of indices
+    costs an L2 request either way; see :func:`reads_pairs`); at k=16, 4
+    slots per lane put 8 neighbours side by side, whose shared rows cost
+    occupancy."""
     if k >= 32 and k % 4 == 0:
         return 4
     return 2 if k >= 16 and k % 2 == 0 else 1

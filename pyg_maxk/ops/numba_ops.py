@@ -236,12 +236,19 @@ def value_index_pairs(values: Tensor, indices: Tensor) -> Tensor:
     return pairs
 
 
+def _uses_pairs(k: int, num_edges: int) -> bool:
+    """Whether the forward reads the CBSR as (value, index) pairs: where the
+    kernel can (:func:`~pyg_maxk.kernels.spgemm.reads_pairs`), on graphs of
+    :data:`PAIRS_MIN_EDGES` edges and more."""
+    return reads_pairs(k) and num_edges >= PAIRS_MIN_EDGES
+
+
 def _spgemm_operands(values: Tensor, indices: Tensor, num_edges: int):
     """``(values, indices, width, index bits, pairs)`` as the forward kernel
-    reads them: (value, index) pairs on large graphs (the kernel reads no
-    ``indices`` then), else the flat arrays."""
+    reads them: (value, index) pairs where :func:`_uses_pairs` (the kernel
+    reads no ``indices`` then), else the flat arrays."""
     k = values.size(1)
-    if reads_pairs(k) and num_edges >= PAIRS_MIN_EDGES:
+    if _uses_pairs(k, num_edges):
         pairs = value_index_pairs(values, indices).view(-1)
         return pairs, pairs, spgemm_vector_width(k), 8 * indices.element_size(), True
     v32 = values.detach().to(KERNEL_DTYPE).contiguous().view(-1)
@@ -344,10 +351,10 @@ def supports(k: int, dim: int) -> bool:
     return fits_shared_memory(k, dim, block_threads() // WARP)
 
 
-def check_cbsr_offsets(num_rows: int, k: int) -> None:
+def check_cbsr_offsets(num_rows: int, k: int, num_edges: int) -> None:
     """Raise unless the kernels' uint32 offsets reach every CBSR slot (``row *
-    k + slot``, twice that in the forward's (value, index) pairs)."""
-    slots = num_rows * k * (2 if reads_pairs(k) else 1)
+    k + slot``, twice that where the forward reads (value, index) pairs)."""
+    slots = num_rows * k * (2 if _uses_pairs(k, num_edges) else 1)
     if slots > UINT32_MAX:
         raise ValueError(
             f"The pyg_maxk kernels index CBSR slots with uint32 and these features "
@@ -359,7 +366,7 @@ def spgemm(graph: CSRGraph, h: CBSR) -> Tensor:
     """``graph @ h`` as ``[num_dst, dim]``, differentiable w.r.t. ``h.values``.
     A graph with a per-row scale (a mean without edge values) is aggregated
     unweighted and scaled once per output row."""
-    check_cbsr_offsets(h.num_rows, h.k)
+    check_cbsr_offsets(h.num_rows, h.k, graph.num_edges)
     schedule: WorkSchedule = graph.schedule(max_edges_per_item(h.k))
     weight, row_scale = kernel_weights(graph)
     return spgemm_op(schedule.row, schedule.start, schedule.end, schedule.split,
