@@ -56,13 +56,16 @@ class WorkSchedule:
     Item ``t`` aggregates edges ``[start[t], end[t])`` of row ``row[t]``; a row
     with more than ``max_edges`` edges is cut into several items, flagged in
     ``split`` so that their partial sums are combined with atomics. Rows
-    without edges have no item.
+    without edges have no item. ``zeroed_rows`` lists the rows that no single
+    item writes whole (those without edges and the split ones): the only
+    output rows the forward must zero before it runs.
     """
     max_edges: int
-    row: Tensor    # [T] int32
-    start: Tensor  # [T] int32
-    end: Tensor    # [T] int32
-    split: Tensor  # [T] uint8
+    row: Tensor          # [T] int32
+    start: Tensor        # [T] int32
+    end: Tensor          # [T] int32
+    split: Tensor        # [T] uint8
+    zeroed_rows: Tensor  # [Z] int64
 
     @property
     def num_items(self) -> int:
@@ -194,6 +197,7 @@ class CSRGraph:
             start=start.to(torch.int32),
             end=end.to(torch.int32),
             split=(pieces[item_row] > 1).to(torch.uint8),
+            zeroed_rows=torch.nonzero(pieces != 1).view(-1),
         )
         self._schedules[max_edges] = schedule
         return schedule

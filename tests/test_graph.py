@@ -88,6 +88,7 @@ def test_schedule_cuts_heavy_rows():
     assert s.start.tolist() == [0, 8, 16, 20, 22]
     assert s.end.tolist() == [8, 16, 20, 22, 23]
     assert s.split.tolist() == [1, 1, 1, 0, 0]
+    assert s.zeroed_rows.tolist() == [0, 1, 3]  # split, and without edges
     assert graph.schedule(8) is s
 
 

@@ -293,7 +293,7 @@ def test_custom_ops_pass_opcheck():
     h = random_cbsr(10, 16, 3)
     s = graph.schedule(numba_ops.max_edges_per_item(3))
     values = h.values.clone().requires_grad_()
-    args = (s.row, s.start, s.end, s.split, graph.kernel_col(),
+    args = (s.row, s.start, s.end, s.split, s.zeroed_rows, graph.kernel_col(),
             *numba_ops.kernel_weights(graph), values, h.indices, 10, 16)
     torch.library.opcheck(numba_ops.spgemm_op.op, args,
                           test_utils=("test_schema", "test_autograd_registration",
@@ -327,7 +327,8 @@ def test_eager_calls_match_the_custom_ops():
 
         xs = x.clone().requires_grad_()
         values, indices = call(numba_ops.maxk_select_op, xs, 4)
-        out = call(numba_ops.spgemm_op, s.row, s.start, s.end, s.split, graph.kernel_col(),
+        out = call(numba_ops.spgemm_op, s.row, s.start, s.end, s.split, s.zeroed_rows,
+                   graph.kernel_col(),
                    *numba_ops.kernel_weights(graph), values, indices, 12, 20)
         dense = call(numba_ops.cbsr_to_dense_op, values, indices, 20)
         (out * grad).sum().add((dense * grad).sum()).backward()

