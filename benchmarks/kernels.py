@@ -107,6 +107,8 @@ def main(argv=None):
                             device, repeats=repeats)
                         row["maxk_select"] = time_ms(lambda: pyg_maxk.maxk(x, k), device,
                                                      repeats=repeats)
+                        if numba_ops.supports_linear(dim, k):
+                            row.update(time_linear(h, dim, device, repeats))
                     else:
                         row["maxk_select"] = time_ms(lambda: pyg_maxk.maxk(x, k), device,
                                                      repeats=repeats)
@@ -122,7 +124,10 @@ def main(argv=None):
                      f"{row['maxk_sspmm']['median_ms']:8.3f} ms ({row['speedup_sspmm']:.2f}x) | "
                      if "maxk_sspmm" in row else "")
                   + f"select {row['maxk_select']['median_ms']:.3f} ms vs topk "
-                  f"{row['torch_topk']['median_ms']:.3f} ms", flush=True)
+                  f"{row['torch_topk']['median_ms']:.3f} ms"
+                  + (f" | linear {row['maxk_linear']['median_ms']:.3f} ms vs dense "
+                     f"{row['dense_linear']['median_ms']:.3f} ms" if "maxk_linear" in row else ""),
+                  flush=True)
         del x, grad
 
     name = "kernels-tiny" if args.tiny else "kernels"
@@ -134,13 +139,36 @@ def main(argv=None):
     save(name, payload, args.out, lambda png, hardware: plot(rows, png, hardware))
 
 
+def time_linear(h, dim: int, device, repeats: int) -> dict:
+    """The CBSR linear kernel (SAGE's root term, ``dim -> dim``) against
+    densify + F.linear, checked against float64 first. Timed wherever the
+    kernel fits, also where the layers pick the dense path."""
+    from pyg_maxk.ops import numba_ops
+    g = torch.Generator(device=device).manual_seed(dim)
+    weight = torch.randn(dim, dim, device=device, generator=g) / dim ** 0.5
+    bias = torch.randn(dim, device=device, generator=g)
+    out = numba_ops.cbsr_linear(h.values, h.indices, dim, weight, bias)
+    ref = torch.nn.functional.linear(h.to_dense().double(), weight.double(), bias.double())
+    row = {"linear_rel_error": rel_error(out, ref),
+           "linear_picked": numba_ops.prefers_linear(dim, h.k)}
+    assert row["linear_rel_error"] < 1e-5, row
+    row["maxk_linear"] = time_ms(
+        lambda: numba_ops.cbsr_linear(h.values, h.indices, dim, weight, bias), device,
+        repeats=repeats)
+    row["dense_linear"] = time_ms(
+        lambda: torch.nn.functional.linear(h.to_dense(), weight, bias), device, repeats=repeats)
+    row["speedup_linear"] = row["dense_linear"]["median_ms"] / row["maxk_linear"]["median_ms"]
+    return row
+
+
 def plot(rows, path, hardware):
     plt = pyplot()
     if plt is None:
         return
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
     for key, ax, title in (("speedup_spgemm", axes[0], "forward SpGEMM vs cuSPARSE SpMM"),
-                           ("speedup_sspmm", axes[1], "backward SSpMM vs stock backward")):
+                           ("speedup_sspmm", axes[1], "backward SSpMM vs stock backward"),
+                           ("speedup_linear", axes[2], "SAGE root linear vs densify + GEMM")):
         for dim in sorted({r["dim"] for r in rows}):
             pts = [(r["k"], r[key]) for r in rows if r["dim"] == dim and key in r]
             if pts:

@@ -13,8 +13,8 @@ from pyg_maxk.ops import numba_ops
 
 from helpers import FORMS, adjacency, assert_same_as_stock, dense_reference, random_edge_index
 from test_layers import make_pair
-from test_numba_backend import (assert_same_selection, check_kernels, kernel_maxk,
-                                poison_allocator, random_cbsr)
+from test_numba_backend import (assert_same_selection, check_cbsr_linear, check_kernels,
+                                kernel_maxk, poison_allocator, random_cbsr)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -49,6 +49,18 @@ def test_value_index_pairs_power_law(monkeypatch, dim):
     graph = power_law_graph(seed=4)
     for k in (1, 2, 3, 4, 5, 8, 12, 16):
         check_kernels(graph, dim, k, seed=k, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dim,out_features", [(64, 256), (256, 256), (256, 47), (300, 41),
+                                              (368, 100)])
+def test_cbsr_linear_kernel_many_rows(monkeypatch, dim, out_features):
+    # 150,000 rows: one wave of blocks, each with thousands of rows per tile;
+    # a partial last tile (47, 41, 100 columns); the widest W^T tile (368).
+    # The backward is cuBLAS's float32 GEMMs: sums of 150,000 rows.
+    monkeypatch.setattr(numba_ops, "linear_pays", lambda dim, k: True)
+    for k in sorted({1, 7, 8, 32, dim // 2}):
+        check_cbsr_linear(random_cbsr(150_000, dim, k, seed=k), out_features, bias=k % 2 == 1,
+                          seed=k, backward_tol=1e-4)
 
 
 def test_weighted_bipartite_gcn_graphs():

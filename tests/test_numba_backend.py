@@ -174,6 +174,69 @@ def test_value_index_pairs(monkeypatch, dim, k):
     check_kernels(CSRGraph.from_adj(ei, (35, 20), normalization="mean"), dim=dim, k=k, h=h)
 
 
+def check_cbsr_linear(h: CBSR, out_features: int, bias: bool, seed: int = 0,
+                      expect_kernel: bool = True, backward_tol: float = 1e-5):
+    """``pyg_maxk.ops.cbsr_linear`` against a float64 dense linear, forward and
+    backward (cuBLAS), and whether its forward ran the CBSR linear kernel
+    (wherever it fits: the caller forces ``linear_pays``)."""
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, h.dim, generator=g).to(DEVICE, h.dtype).requires_grad_()
+    b = (torch.randn(out_features, generator=g).to(DEVICE, h.dtype).requires_grad_()
+         if bias else None)
+    values = h.values.clone().requires_grad_()
+    hv = h.with_values(values)
+    with pyg_maxk.use_backend("numba"):
+        assert pyg_maxk.ops._runs_linear_kernel(values, h.indices, h.dim, weight,
+                                                b) == expect_kernel
+        poison_allocator()
+        out = pyg_maxk.ops.cbsr_linear(hv, weight, b)
+    dense = dense_reference(h).double()
+    ref = torch.nn.functional.linear(dense, weight.double(), None if b is None else b.double())
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    grad = torch.randn(out.shape, generator=g).to(DEVICE, h.dtype)
+    out.backward(grad)
+    ref_values = (grad.double() @ weight.double()).gather(1, h.long_indices())
+    tol = dict(rtol=backward_tol, atol=backward_tol)
+    torch.testing.assert_close(values.grad.double(), ref_values, **tol)
+    torch.testing.assert_close(weight.grad.double(), grad.double().t() @ dense, **tol)
+
+
+@pytest.fixture
+def linear_kernel_everywhere(monkeypatch):
+    """The CBSR linear kernel wherever it fits, also where densify + GEMM is
+    faster (the small shapes of these tests)."""
+    monkeypatch.setattr(numba_ops, "linear_pays", lambda dim, k: True)
+
+
+@pytest.mark.parametrize("rows,dim,k,out_features,bias", [
+    (13, 40, 5, 7, True), (9, 40, 1, 40, False), (6, 70, 32, 33, True),
+    (11, 300, 9, 16, True), (5, 24, 23, 64, False), (4, 150, 140, 20, True)])
+def test_cbsr_linear_kernel_against_float64(linear_kernel_everywhere, rows, dim, k,
+                                            out_features, bias):
+    # Odd and even k (slots staged in pairs), a partial last tile of output
+    # columns, int16 indices (dim 300), more tiles than rows, slots beyond
+    # those a lane loads a row ahead (k=140).
+    check_cbsr_linear(random_cbsr(rows, dim, k, seed=k), out_features, bias, seed=k)
+
+
+def test_cbsr_linear_kernel_takes_float32_within_shared_memory_only(linear_kernel_everywhere):
+    from pyg_maxk.kernels.linear import linear_fits
+    assert linear_fits(368, 32) and not linear_fits(369, 32)
+    assert not numba_ops.supports_linear(400, 3)  # a W^T tile of 50 KiB: the dense path
+    check_cbsr_linear(random_cbsr(4, 400, 3), 5, True, expect_kernel=False)
+    h = random_cbsr(6, 30, 4, dtype=torch.float64)
+    check_cbsr_linear(h, 5, True, expect_kernel=False)  # float64: the dense path
+
+
+def test_cbsr_linear_kernel_only_where_it_beats_the_dense_path():
+    # Measured on an H200 at dim 256: faster than densify + GEMM for k <= 32.
+    from pyg_maxk.kernels.linear import linear_pays
+    assert numba_ops.prefers_linear(256, 32) and numba_ops.prefers_linear(256, 8)
+    assert not linear_pays(256, 64) and not linear_pays(64, 8)
+    h = random_cbsr(6, 40, 5)
+    check_cbsr_linear(h, 3, True, expect_kernel=False)  # dim 40: dense is faster
+
+
 def test_features_beyond_32_bit_offsets_are_a_clear_error():
     # The kernels index CBSR slots with uint32; the forward's (value, index)
     # pairs (k <= 16 on large graphs) take two per slot.
@@ -259,14 +322,14 @@ def test_to_dense_too_wide_for_the_kernel_scatters():
 
 
 @pytest.mark.parametrize("kind", ["sage", "gcn", "gin"])
-def test_layer_contract_numba(kind):
+def test_layer_contract_numba(linear_kernel_everywhere, kind):
     ei = random_edge_index(14, 14, 50, seed=3).to(DEVICE)
     ours, stock = make_pair(kind)
     x = torch.randn(14, 24).to(DEVICE)
     assert_same_as_stock(ours.to(DEVICE), stock.to(DEVICE), x, (ei,), 5, backend="numba")
 
 
-def test_layer_contract_numba_bipartite_sage():
+def test_layer_contract_numba_bipartite_sage(linear_kernel_everywhere):
     ei = random_edge_index(11, 7, 30, seed=4).to(DEVICE)
     ours, stock = make_pair("sage")
     x = (torch.randn(11, 24).to(DEVICE), torch.randn(7, 24).to(DEVICE))
@@ -305,6 +368,9 @@ def test_custom_ops_pass_opcheck():
     torch.library.opcheck(numba_ops.cbsr_to_dense_op.op, (values, h.indices, 16),
                           test_utils=("test_schema", "test_autograd_registration",
                                       "test_faketensor"))
+    torch.library.opcheck(numba_ops.cbsr_linear_op.op,
+                          (h.values, h.indices, 16, torch.randn(5, 16, device=DEVICE), None),
+                          test_utils=("test_schema", "test_faketensor"))
     grad_out = torch.randn(10, 16, device=DEVICE)
     torch.library.opcheck(numba_ops.sspmm_op.op,
                           (s.row, s.start, s.end, graph.kernel_col(),

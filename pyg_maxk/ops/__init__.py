@@ -138,16 +138,34 @@ def aggregate(graph: CSRGraph, h: Union[CBSR, Tensor]) -> Tensor:
     return torch.sparse.mm(graph.torch_csr(h.dtype), h.to_dense())
 
 
+def _runs_linear_kernel(values: Tensor, indices: Tensor, dim: int, weight: Tensor,
+                        bias: Tensor | None) -> bool:
+    """Whether the forward of :func:`cbsr_linear` runs the ``"numba"`` CBSR
+    linear kernel: float32 throughout (it computes in float32, where autocast
+    would have F.linear run in half), and a shape that its shared memory takes
+    and where it beats densify + GEMM."""
+    if not _runs_numba(values) or torch.is_autocast_enabled(values.device.type):
+        return False
+    if any(t is not None and t.dtype != torch.float32 for t in (values, weight, bias)):
+        return False
+    from .numba_ops import prefers_linear
+    return prefers_linear(dim, indices.size(1))
+
+
 class _CBSRLinear(torch.autograd.Function):
     """``F.linear(h.to_dense(), weight, bias)`` that keeps only ``h``'s CBSR
     for the backward and rebuilds the dense matrix there, rather than holding
-    an ``[N, dim]`` dense input between forward and backward."""
+    an ``[N, dim]`` dense input between forward and backward. The ``"numba"``
+    backend's forward never builds it (:mod:`pyg_maxk.kernels.linear`)."""
 
     @staticmethod
     def forward(ctx, values: Tensor, indices: Tensor, dim: int, weight: Tensor, bias):
-        dense = CBSR(values, indices, dim).to_dense()
         ctx.save_for_backward(values, indices, weight)
         ctx.dim = dim
+        if _runs_linear_kernel(values, indices, dim, weight, bias):
+            from .numba_ops import cbsr_linear as numba_cbsr_linear
+            return numba_cbsr_linear(values, indices, dim, weight, bias)
+        dense = CBSR(values, indices, dim).to_dense()
         return F.linear(dense, weight, bias)
 
     @staticmethod

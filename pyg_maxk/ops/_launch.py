@@ -115,6 +115,19 @@ class Launcher:
             sms = self._num_sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
         return sms * max(1, BLOCKS_PER_SM * 128 // threads)
 
+    def resident_blocks(self, device: torch.device, threads: int, shared_bytes: int) -> int:
+        """Blocks of ``threads`` threads and ``shared_bytes`` of shared memory
+        that all SMs hold at once: a grid of exactly that many runs in one
+        wave (blocks of equal work then finish together)."""
+        if self.simulator:
+            return 2
+        props = torch.cuda.get_device_properties(_index(device))
+        per_sm_shared = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
+        by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // threads
+        # The driver reserves 1 KiB of shared memory per block.
+        by_shared = per_sm_shared // (shared_bytes + 1024)
+        return props.multi_processor_count * max(1, min(by_threads, by_shared))
+
     def __call__(self, kernel, blocks: int, threads: int, device: torch.device, *args) -> None:
         """``kernel[blocks, threads, current stream](*args)``; ``args`` are
         C-contiguous tensors and Python ints."""

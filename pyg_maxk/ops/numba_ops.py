@@ -22,6 +22,8 @@ from torch import Tensor
 from ..cbsr import CBSR, index_dtype_for
 from ..graph import CSRGraph, WorkSchedule
 from ..kernels._warp import WARP
+from ..kernels.linear import (LINEAR_WARPS, linear_blocks, linear_fits, linear_kernel,
+                              linear_pays, linear_shared_bytes)
 from ..kernels.maxk_select import ROWS_PER_BLOCK, densify_fits, densify_kernel, select_kernel
 from ..kernels.spgemm import (fits_shared_memory, reads_pairs, spgemm_kernel,
                               spgemm_vector_width, sspmm_kernel, sspmm_vector_width)
@@ -190,6 +192,63 @@ def maxk_select(x: Tensor, k: int) -> Tuple[Tensor, Tensor]:
     row (the entries :func:`torch.topk` keeps; ties to the lowest column), in
     column order."""
     return maxk_select_op(x, k)
+
+
+# ------------------------------------------------------------ linear op
+def _linear_warps() -> int:
+    return 1 if launcher().simulator else LINEAR_WARPS
+
+
+def _cbsr_linear(values: Tensor, indices: Tensor, dim: int, weight: Tensor,
+                 bias: Optional[Tensor]) -> Tensor:
+    n, k = values.shape
+    out_features = weight.size(0)
+    out = torch.empty(n, out_features, dtype=KERNEL_DTYPE, device=values.device)
+    if n > 0 and out_features > 0:
+        run = launcher()
+        warps = _linear_warps()
+        threads = warps * WARP
+        tiles = linear_blocks(out_features, 1)
+        # One wave: every block has the same number of rows per tile.
+        resident = run.resident_blocks(values.device, threads,
+                                       linear_shared_bytes(dim, k, warps))
+        row_blocks = min(-(-n // warps), max(1, resident // tiles))
+        kernel = linear_kernel(dim, k, out_features, warps, bias is not None)
+        weight_t = weight.detach().to(KERNEL_DTYPE).t().contiguous()
+        run(kernel, linear_blocks(out_features, row_blocks), threads, values.device,
+            values.detach().to(KERNEL_DTYPE).contiguous(), indices.contiguous(), weight_t,
+            _or_unread(None if bias is None else bias.detach().to(KERNEL_DTYPE), weight_t),
+            out, n)
+    return out
+
+
+def _cbsr_linear_fake(values: Tensor, indices: Tensor, dim: int, weight: Tensor,
+                      bias: Optional[Tensor]) -> Tensor:
+    return values.new_empty(values.size(0), weight.size(0), dtype=KERNEL_DTYPE)
+
+
+#: No autograd of its own: :func:`pyg_maxk.ops.cbsr_linear` calls it from its
+#: autograd Function's forward.
+cbsr_linear_op = KernelOp("cbsr_linear", _cbsr_linear, _cbsr_linear_fake)
+
+
+def supports_linear(dim: int, k: int) -> bool:
+    """Whether :func:`cbsr_linear` takes CBSR rows of this shape (a ``W^T``
+    tile of ``dim`` rows in shared memory)."""
+    return linear_fits(dim, k, _linear_warps())
+
+
+def prefers_linear(dim: int, k: int) -> bool:
+    """Whether :func:`cbsr_linear` takes this shape and beats densify + GEMM
+    there (:func:`~pyg_maxk.kernels.linear.linear_pays`)."""
+    return supports_linear(dim, k) and linear_pays(dim, k)
+
+
+def cbsr_linear(values: Tensor, indices: Tensor, dim: int, weight: Tensor,
+                bias: Optional[Tensor]) -> Tensor:
+    """``dense(h) @ weight.T + bias`` as float32 ``[N, out_features]`` from
+    the CBSR ``(values, indices)`` of width ``dim``, not differentiable."""
+    return cbsr_linear_op(values, indices, dim, weight, bias)
 
 
 # ------------------------------------------------------------ SpGEMM ops
