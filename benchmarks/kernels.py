@@ -178,7 +178,7 @@ def plot(rows, path, hardware):
         ax.set_ylabel("speedup (x)")
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_title(title)
-        if ax.lines:
+        if ax.get_legend_handles_labels()[0]:  # not the unlabelled 1x line alone
             ax.legend()
     fig.suptitle(f"pyg-maxk kernels on {hardware}")
     fig.tight_layout()
