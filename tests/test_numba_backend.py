@@ -174,11 +174,20 @@ def test_value_index_pairs(monkeypatch, dim, k):
     check_kernels(CSRGraph.from_adj(ei, (35, 20), normalization="mean"), dim=dim, k=k, h=h)
 
 
+def assert_norm_close(actual: torch.Tensor, expected: torch.Tensor, tol: float = 1e-5):
+    """``|actual - expected| <= tol * |expected|`` in the 2-norm: float32 sums
+    of many terms (a GEMM over 150,000 rows) miss a float64 reference by more
+    than an elementwise tolerance on their smallest entries."""
+    err = float((actual.double() - expected.double()).norm() / expected.double().norm())
+    assert err <= tol, f"relative error {err:.3g} > {tol:g}"
+
+
 def check_cbsr_linear(h: CBSR, out_features: int, bias: bool, seed: int = 0,
-                      expect_kernel: bool = True, backward_tol: float = 1e-5):
-    """``pyg_maxk.ops.cbsr_linear`` against a float64 dense linear, forward and
-    backward (cuBLAS), and whether its forward ran the CBSR linear kernel
-    (wherever it fits: the caller forces ``linear_pays``)."""
+                      expect_kernel: bool = True):
+    """``pyg_maxk.ops.cbsr_linear`` against a float64 dense linear, forward
+    (elementwise) and backward (cuBLAS's GEMMs: norm-relative), and whether its
+    forward ran the CBSR linear kernel (wherever it fits when the caller
+    forces ``linear_pays``)."""
     g = torch.Generator().manual_seed(seed)
     weight = torch.randn(out_features, h.dim, generator=g).to(DEVICE, h.dtype).requires_grad_()
     b = (torch.randn(out_features, generator=g).to(DEVICE, h.dtype).requires_grad_()
@@ -196,9 +205,8 @@ def check_cbsr_linear(h: CBSR, out_features: int, bias: bool, seed: int = 0,
     grad = torch.randn(out.shape, generator=g).to(DEVICE, h.dtype)
     out.backward(grad)
     ref_values = (grad.double() @ weight.double()).gather(1, h.long_indices())
-    tol = dict(rtol=backward_tol, atol=backward_tol)
-    torch.testing.assert_close(values.grad.double(), ref_values, **tol)
-    torch.testing.assert_close(weight.grad.double(), grad.double().t() @ dense, **tol)
+    assert_norm_close(values.grad, ref_values)
+    assert_norm_close(weight.grad, grad.double().t() @ dense)
 
 
 @pytest.fixture
