@@ -150,7 +150,7 @@ def time_linear(h, dim: int, device, repeats: int) -> dict:
     out = numba_ops.cbsr_linear(h.values, h.indices, dim, weight, bias)
     ref = torch.nn.functional.linear(h.to_dense().double(), weight.double(), bias.double())
     row = {"linear_rel_error": rel_error(out, ref),
-           "linear_picked": numba_ops.prefers_linear(dim, h.k)}
+           "linear_picked": numba_ops.prefers_linear(h.num_rows, dim, h.k)}
     assert row["linear_rel_error"] < 1e-5, row
     row["maxk_linear"] = time_ms(
         lambda: numba_ops.cbsr_linear(h.values, h.indices, dim, weight, bias), device,

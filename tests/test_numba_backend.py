@@ -214,6 +214,7 @@ def linear_kernel_everywhere(monkeypatch):
     """The CBSR linear kernel wherever it fits, also where densify + GEMM is
     faster (the small shapes of these tests)."""
     monkeypatch.setattr(numba_ops, "linear_pays", lambda dim, k: True)
+    monkeypatch.setattr(numba_ops, "LINEAR_MIN_ROWS", 0)
 
 
 @pytest.mark.parametrize("rows,dim,k,out_features,bias", [
@@ -236,13 +237,18 @@ def test_cbsr_linear_kernel_takes_float32_within_shared_memory_only(linear_kerne
     check_cbsr_linear(h, 5, True, expect_kernel=False)  # float64: the dense path
 
 
-def test_cbsr_linear_kernel_only_where_it_beats_the_dense_path():
-    # Measured on an H200 at dim 256: faster than densify + GEMM for k <= 32.
+def test_cbsr_linear_kernel_only_where_it_beats_the_dense_path(monkeypatch):
+    # Measured on an H200: faster than densify + GEMM for k <= 16 at dims 64
+    # to 256 and k=32 at dim 256, slower at k=32 (dims 64, 128) and k=64.
     from pyg_maxk.kernels.linear import linear_pays
-    assert numba_ops.prefers_linear(256, 32) and numba_ops.prefers_linear(256, 8)
-    assert not linear_pays(256, 64) and not linear_pays(64, 8)
-    h = random_cbsr(6, 40, 5)
-    check_cbsr_linear(h, 3, True, expect_kernel=False)  # dim 40: dense is faster
+    assert linear_pays(64, 16) and linear_pays(128, 16) and linear_pays(256, 32)
+    assert not (linear_pays(64, 32) or linear_pays(128, 32) or linear_pays(256, 64))
+    rows = numba_ops.LINEAR_MIN_ROWS
+    assert numba_ops.prefers_linear(rows, 256, 32)
+    assert not numba_ops.prefers_linear(rows - 1, 256, 32)
+    monkeypatch.setattr(numba_ops, "LINEAR_MIN_ROWS", 0)
+    check_cbsr_linear(random_cbsr(6, 40, 20), 3, True, expect_kernel=False)
+    check_cbsr_linear(random_cbsr(6, 40, 16), 3, True, expect_kernel=True)
 
 
 def test_features_beyond_32_bit_offsets_are_a_clear_error():

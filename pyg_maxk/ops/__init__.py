@@ -143,13 +143,13 @@ def _runs_linear_kernel(values: Tensor, indices: Tensor, dim: int, weight: Tenso
     """Whether the forward of :func:`cbsr_linear` runs the ``"numba"`` CBSR
     linear kernel: float32 throughout (it computes in float32, where autocast
     would have F.linear run in half), and a shape that its shared memory takes
-    and where it beats densify + GEMM."""
+    and where it beats densify + GEMM (:func:`.numba_ops.prefers_linear`)."""
     if not _runs_numba(values) or torch.is_autocast_enabled(values.device.type):
         return False
     if any(t is not None and t.dtype != torch.float32 for t in (values, weight, bias)):
         return False
     from .numba_ops import prefers_linear
-    return prefers_linear(dim, indices.size(1))
+    return prefers_linear(values.size(0), dim, indices.size(1))
 
 
 class _CBSRLinear(torch.autograd.Function):
