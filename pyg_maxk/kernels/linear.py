@@ -45,8 +45,6 @@ LINEAR_WARPS = 8
 LINEAR_SHARED_BYTES = 48 * 1024
 
 
-
-
 def linear_shared_bytes(dim: int, k: int, warps: int = LINEAR_WARPS) -> int:
     """Shared memory of a block: a ``W^T`` tile of ``dim`` rows and the
     warps' staged rows."""
