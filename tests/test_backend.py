@@ -82,6 +82,27 @@ def test_kernel_params_follow_numbas_array_layout():
                                         0, 0, 7, 1, u.data_ptr(), 7, 1]
 
 
+def test_linear_grid_is_one_wave_of_resident_blocks(monkeypatch):
+    # The CBSR linear kernel's blocks all have the same work, so its grid is
+    # what the SMs hold at once: limited by threads or by shared memory (plus
+    # the 1 KiB the driver reserves per block). H200-like properties here.
+    from types import SimpleNamespace
+
+    from pyg_maxk.kernels.linear import linear_shared_bytes
+    from pyg_maxk.ops._launch import Launcher
+
+    props = SimpleNamespace(multi_processor_count=132, max_threads_per_multi_processor=2048,
+                            shared_memory_per_multiprocessor=228 * 1024)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    run = Launcher.__new__(Launcher)  # no driver needed for the arithmetic
+    run.simulator = False
+    device = torch.device("cuda", 0)
+    assert linear_shared_bytes(256, 32, 8) == 34816
+    assert run.resident_blocks(device, 256, 34816) == 132 * 6   # by shared memory
+    assert run.resident_blocks(device, 256, 1024) == 132 * 8    # by threads
+    assert run.resident_blocks(device, 1024, 200_000) == 132    # at least one per SM
+
+
 def test_forward_rows_are_padded_unless_that_costs_a_group():
     # (groups, row stride) of the SpGEMM forward: rows one float apart in
     # shared memory (popular columns of different groups in different banks)
