@@ -95,7 +95,7 @@ def test_linear_grid_is_one_wave_of_resident_blocks(monkeypatch):
                             shared_memory_per_multiprocessor=228 * 1024)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
     run = Launcher.__new__(Launcher)  # no driver needed for the arithmetic
-    run.simulator = False
+    run.simulator, run._resident = False, {}
     device = torch.device("cuda", 0)
     assert linear_shared_bytes(256, 32, 8) == 34816
     assert run.resident_blocks(device, 256, 34816) == 132 * 6   # by shared memory

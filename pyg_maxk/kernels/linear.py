@@ -81,7 +81,7 @@ def linear_kernel(dim: int, k: int, out_features: int, warps: int, has_bias: boo
     blocks."""
     if not linear_fits(dim, k, warps):
         raise ValueError(f"dim={dim}, k={k}: too wide for the linear kernel's shared memory")
-    tiles = -(-out_features // TILE)
+    tiles = column_tiles(out_features)
     threads = warps * WARP
     tile_floats = dim * TILE  # shared array sizes: constants
     stage_shape = (warps, k)
@@ -148,6 +148,11 @@ def linear_kernel(dim: int, k: int, out_features: int, warps: int, has_bias: boo
     return linear
 
 
+def column_tiles(out_features: int) -> int:
+    """Tiles of :data:`TILE` output columns (the last one may be partial)."""
+    return -(-out_features // TILE)
+
+
 def linear_blocks(out_features: int, row_blocks: int) -> int:
     """Blocks of a launch: ``row_blocks`` per tile of output columns."""
-    return -(-out_features // TILE) * max(1, row_blocks)
+    return column_tiles(out_features) * max(1, row_blocks)

@@ -102,6 +102,7 @@ class Launcher:
         self._streams: dict = {}
         self._num_sms: dict = {}
         self._handles: dict = {}
+        self._resident: dict = {}
         self._driver = None if self.simulator else _DriverLaunch.create()
         self._multi_gpu = not self.simulator and torch.cuda.device_count() > 1
 
@@ -121,12 +122,17 @@ class Launcher:
         wave (blocks of equal work then finish together)."""
         if self.simulator:
             return 2
-        props = torch.cuda.get_device_properties(_index(device))
-        per_sm_shared = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
-        by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // threads
-        # The driver reserves 1 KiB of shared memory per block.
-        by_shared = per_sm_shared // (shared_bytes + 1024)
-        return props.multi_processor_count * max(1, min(by_threads, by_shared))
+        key = (_index(device), threads, shared_bytes)
+        blocks = self._resident.get(key)
+        if blocks is None:  # once per shape: the layers ask on every forward
+            props = torch.cuda.get_device_properties(key[0])
+            per_sm_shared = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
+            by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // threads
+            # The driver reserves 1 KiB of shared memory per block.
+            by_shared = per_sm_shared // (shared_bytes + 1024)
+            blocks = props.multi_processor_count * max(1, min(by_threads, by_shared))
+            self._resident[key] = blocks
+        return blocks
 
     def __call__(self, kernel, blocks: int, threads: int, device: torch.device, *args) -> None:
         """``kernel[blocks, threads, current stream](*args)``; ``args`` are

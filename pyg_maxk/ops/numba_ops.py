@@ -22,8 +22,8 @@ from torch import Tensor
 from ..cbsr import CBSR, index_dtype_for
 from ..graph import CSRGraph, WorkSchedule
 from ..kernels._warp import WARP
-from ..kernels.linear import (LINEAR_WARPS, linear_blocks, linear_fits, linear_kernel,
-                              linear_pays, linear_shared_bytes)
+from ..kernels.linear import (LINEAR_WARPS, column_tiles, linear_blocks, linear_fits,
+                              linear_kernel, linear_pays, linear_shared_bytes)
 from ..kernels.maxk_select import ROWS_PER_BLOCK, densify_fits, densify_kernel, select_kernel
 from ..kernels.spgemm import (fits_shared_memory, reads_pairs, spgemm_kernel,
                               spgemm_vector_width, sspmm_kernel, sspmm_vector_width)
@@ -208,11 +208,10 @@ def _cbsr_linear(values: Tensor, indices: Tensor, dim: int, weight: Tensor,
         run = launcher()
         warps = _linear_warps()
         threads = warps * WARP
-        tiles = linear_blocks(out_features, 1)  # one row block: a block per column tile
         # One wave: every block has the same number of rows per tile.
         resident = run.resident_blocks(values.device, threads,
                                        linear_shared_bytes(dim, k, warps))
-        row_blocks = min(-(-n // warps), max(1, resident // tiles))
+        row_blocks = min(-(-n // warps), max(1, resident // column_tiles(out_features)))
         kernel = linear_kernel(dim, k, out_features, warps, bias is not None)
         weight_t = weight.detach().to(KERNEL_DTYPE).t().contiguous()
         run(kernel, linear_blocks(out_features, row_blocks), threads, values.device,
