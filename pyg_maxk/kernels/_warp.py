@@ -91,3 +91,22 @@ def warp_rank():
             lower = (uint32(1) << lane) - uint32(1)
             return uint32(cuda.popc(mask & lower)), uint32(cuda.popc(mask))
     return rank
+
+
+@functools.lru_cache(maxsize=None)
+def cbsr_row_loader(k: int, ahead: int):
+    """``load(values, indices, row, lane, val, pos)``: slots ``lane + 32 * c``
+    (``c < ahead``) of CBSR row ``row`` into a lane's ``val``/``pos`` arrays
+    (registers after unrolling), so that a warp can load its next row while
+    it works on this one. A slot past ``k - 1`` loads slot ``k - 1`` instead:
+    in bounds, and the caller never uses it."""
+    last_slot = uint32(k - 1)
+
+    @cuda.jit(device=True, inline=True)
+    def load(values, indices, row, lane, val, pos):
+        for c in range(ahead):
+            j = min(lane + uint32(c * WARP), last_slot)
+            val[c] = values[row, j]
+            pos[c] = uint32(indices[row, j])
+
+    return load

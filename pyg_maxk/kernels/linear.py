@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 
 from ._numba import cuda_module
-from ._warp import WARP, warp_sync
+from ._warp import WARP, cbsr_row_loader, warp_sync
 
 # Module-level name `cuda`: Numba's simulator swaps exactly this global.
 cuda = cuda_module()
@@ -87,17 +87,10 @@ def linear_kernel(dim: int, k: int, out_features: int, warps: int, has_bias: boo
     stage_shape = (warps, k)
     sync = warp_sync()
     ahead = min(-(-k // WARP), LINEAR_AHEAD)
+    load_ahead = cbsr_row_loader(k, ahead)
     rest_from = uint32(ahead * WARP)
-    kk, w32, n_out, last_slot = uint32(k), uint32(WARP), uint32(out_features), uint32(k - 1)
+    kk, w32, n_out = uint32(k), uint32(WARP), uint32(out_features)
     n_tiles, n_warps, tile_width = uint32(tiles), uint32(warps), uint32(TILE)
-
-    @cuda.jit(device=True, inline=True)
-    def load_ahead(values, indices, row, lane, val, pos):
-        """The first ``ahead * 32`` slots of ``row`` into the lanes' registers."""
-        for c in range(ahead):
-            j = min(lane + uint32(c * WARP), last_slot)  # clamped: in bounds, never staged
-            val[c] = values[row, j]
-            pos[c] = uint32(indices[row, j])
 
     @cuda.jit
     def linear(values, indices, weight_t, bias, out, num_rows):

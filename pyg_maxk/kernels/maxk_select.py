@@ -24,7 +24,7 @@ from ._numba import cuda_module
 cuda = cuda_module()
 from numba import float32, uint32  # noqa: E402 (after the numpy shim)
 
-from ._warp import WARP, warp_rank, warp_sum, warp_sync  # noqa: E402
+from ._warp import WARP, cbsr_row_loader, warp_rank, warp_sum, warp_sync  # noqa: E402
 
 #: Rows (warps) per block on a GPU; the simulator runs one-warp blocks.
 ROWS_PER_BLOCK = 4
@@ -154,18 +154,11 @@ def densify_kernel(dim: int, k: int, rows_per_block: int):
     if not densify_fits(dim, rows_per_block):
         raise ValueError(f"dim={dim} is too wide for the densify kernel's shared memory")
     sync = warp_sync()
-    kk, d32, w32, last = uint32(k), uint32(dim), uint32(WARP), uint32(k - 1)
+    kk, d32, w32 = uint32(k), uint32(dim), uint32(WARP)
     rpb = uint32(rows_per_block)
     ahead = min(-(-k // WARP), DENSIFY_AHEAD)
+    load_ahead = cbsr_row_loader(k, ahead)
     rest_from = uint32(ahead * WARP)  # slots beyond: loaded when their row is built
-
-    @cuda.jit(device=True, inline=True)
-    def load_ahead(values, indices, row, lane, val, pos):
-        """The first ``ahead * 32`` slots of ``row`` into the lanes' registers."""
-        for c in range(ahead):
-            j = min(lane + uint32(c * WARP), last)  # clamped: in bounds, never stored
-            val[c] = values[row, j]
-            pos[c] = uint32(indices[row, j])
 
     @cuda.jit
     def densify(values, indices, dense, num_rows):
