@@ -82,7 +82,7 @@ def main(argv=None):
             for backend in backends:
                 with pyg_maxk.use_backend(backend):
                     h = pyg_maxk.maxk(x, k)
-                    # Same values (the kernel writes them in column order); tied
+                    # Same values (the kernel writes them in bank-major order); tied
                     # columns may differ from torch.topk's pick.
                     kept = h.values.sort(dim=1, descending=True).values
                     assert torch.equal(kept, ref.values), "maxk mismatch"

@@ -33,8 +33,9 @@ class CBSR:
         dim (int): the number of columns of the dense matrix.
 
     No operation relies on the order of a row's entries (:func:`~pyg_maxk.maxk`
-    writes them in column order on the ``"numba"`` backend, by decreasing
-    value elsewhere).
+    writes them in column order on the ``"numba"`` backend's CPU kernel, by
+    column mod 32 then column on its GPU kernel, by decreasing value on the
+    others).
     """
 
     __slots__ = ("values", "indices", "dim")

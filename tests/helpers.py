@@ -111,13 +111,16 @@ def assert_same_as_stock(maxk_conv, stock_conv, x, args, k, *, rtol=1e-4, atol=1
     return out
 
 
-def assert_same_selection(h: pyg_maxk.CBSR, x: Tensor, k: int) -> None:
-    """``h`` keeps exactly the entries torch.topk keeps, in column order.
-    Among equal values the kernels keep the lowest columns, torch.topk
-    unspecified ones, so tied columns may differ (their values do not)."""
+def assert_same_selection(h: pyg_maxk.CBSR, x: Tensor, k: int, order: str = "column") -> None:
+    """``h`` keeps exactly the entries torch.topk keeps, in ``order``:
+    ``"column"`` (the CPU kernels) or ``"bank"`` (the GPU kernel: by column
+    mod 32, then column). Among equal values the kernels keep the lowest
+    columns, torch.topk unspecified ones, so tied columns may differ (their
+    values do not)."""
     values, _ = torch.topk(x, k, dim=1)
     cols = h.indices.long()
-    assert (cols.diff(dim=1) > 0).all(), "columns are not strictly increasing"
+    rank = {"column": cols, "bank": (cols % 32) * x.size(1) + cols // 32}[order]
+    assert (rank.diff(dim=1) > 0).all(), f"columns are not in {order} order"
     # Each kept value is the entry at its column, and the kept values are
     # topk's: so a value that occurs once in its row sits at topk's column.
     torch.testing.assert_close(x.gather(1, cols), h.values, rtol=0, atol=0)

@@ -285,7 +285,7 @@ def test_maxk_select_matches_topk(dim, k):
     poison_allocator()
     h = kernel_maxk(x, k)
     assert h.indices.dtype == pyg_maxk.index_dtype_for(dim)
-    assert_same_selection(h, x.detach(), k)
+    assert_same_selection(h, x.detach(), k, order="bank")
     idx = h.indices.long()
     g = torch.randn_like(h.values)
     h.values.backward(g)
@@ -297,7 +297,7 @@ def test_maxk_select_many_ties_negatives_and_signed_zeros(k):
     # Few distinct values: the k-th largest is tied across lanes and slots.
     x = few_valued_rows(k).to(DEVICE)
     h = kernel_maxk(x, k)
-    assert_same_selection(h, x, k)
+    assert_same_selection(h, x, k, order="bank")
     assert_ties_keep_lowest_columns(h, x)
 
 
@@ -306,6 +306,15 @@ def test_maxk_select_ties_and_nan():
     h = kernel_maxk(x.to(DEVICE), 4)
     # NaN kept (torch.topk ranks it first), then the tied 3.0s; column order.
     assert h.indices.long().cpu().tolist() == [[1, 2, 3, 4]] * 2
+
+
+def test_maxk_select_writes_bank_major_order():
+    # Kept columns 60..69 of 70: by column mod 32 (64..69 are banks 0..5,
+    # 60..63 banks 28..31), as the SpGEMM/SSpMM read them best.
+    x = torch.arange(70.0).repeat(3, 1)
+    h = kernel_maxk(x.to(DEVICE), 10)
+    assert h.indices.long().cpu().tolist() == [[64, 65, 66, 67, 68, 69, 60, 61, 62, 63]] * 3
+    assert h.values.cpu().tolist() == [[64.0, 65, 66, 67, 68, 69, 60, 61, 62, 63]] * 3
 
 
 @pytest.mark.parametrize("num_rows,dim,k", [(13, 40, 1), (13, 40, 39), (9, 300, 12),
@@ -360,8 +369,8 @@ def test_maxk_uses_the_select_kernel_up_to_its_measured_width(monkeypatch):
     with pyg_maxk.use_backend("numba"):
         small, large, topk = pyg_maxk.maxk(x, 8), pyg_maxk.maxk(x, 64), pyg_maxk.maxk(wide, 4)
     assert calls == [8, 64]
-    assert_same_selection(small, x, 8)
-    assert_same_selection(large, x, 64)
+    assert_same_selection(small, x, 8, order="bank")
+    assert_same_selection(large, x, 64, order="bank")
     torch.testing.assert_close(topk.values, wide.topk(4, dim=1).values)
 
 

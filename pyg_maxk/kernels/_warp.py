@@ -67,6 +67,42 @@ def warp_sum():
 
 
 @functools.lru_cache(maxsize=None)
+def warp_exclusive_sum():
+    """``warp_exclusive_sum(value, lane, scratch_row) -> uint32``: the sum of
+    a uint32 over the lanes below this one (0 on lane 0)."""
+    if simulator_enabled():
+        @cuda.jit(device=True, inline=True)
+        def below(value, lane, scratch_row):
+            scratch_row[lane] = uint32(value)
+            cuda.syncthreads()
+            s = uint32(0)
+            for other in range(WARP):
+                if other < lane:
+                    s += scratch_row[other]
+            cuda.syncthreads()
+            return s
+    else:
+        @cuda.jit(device=True, inline=True)
+        def below(value, lane, scratch_row):
+            # An inclusive scan (a shuffle from ``delta`` lanes down returns
+            # the lane's own value below ``delta``: not added), minus its own.
+            v = int32(value)
+            s = v
+            t = cuda.shfl_up_sync(FULL_MASK, s, 1)
+            s = int32(s + (t if lane >= uint32(1) else int32(0)))
+            t = cuda.shfl_up_sync(FULL_MASK, s, 2)
+            s = int32(s + (t if lane >= uint32(2) else int32(0)))
+            t = cuda.shfl_up_sync(FULL_MASK, s, 4)
+            s = int32(s + (t if lane >= uint32(4) else int32(0)))
+            t = cuda.shfl_up_sync(FULL_MASK, s, 8)
+            s = int32(s + (t if lane >= uint32(8) else int32(0)))
+            t = cuda.shfl_up_sync(FULL_MASK, s, 16)
+            s = int32(s + (t if lane >= uint32(16) else int32(0)))
+            return uint32(s - v)
+    return below
+
+
+@functools.lru_cache(maxsize=None)
 def warp_rank():
     """``warp_rank(flag, lane, scratch_row) -> (below, total)``: how many lanes
     below this one have ``flag`` set, and how many lanes in all."""

@@ -47,10 +47,11 @@ def maxk(x: Tensor, k: int, *, dropout: float = 0.0, training: bool = False) -> 
     :func:`torch.topk` keeps) and return them as a :class:`CBSR`.
 
     Gradients flow to the kept entries only. ``k >= x.size(1)`` keeps every
-    entry (the identity). The ``"numba"`` and ``"cpu"`` backends write each
-    row's entries in column order (among tied values they keep the lowest
-    columns), the ``"torch"`` backend in :func:`torch.topk` order; nothing
-    downstream depends on the order.
+    entry (the identity). The ``"numba"`` and ``"cpu"`` backends keep the
+    lowest columns among tied values and write each row's entries in column
+    order on the CPU, by column mod 32 then column on a GPU (fewer shared-
+    memory bank conflicts downstream); the ``"torch"`` backend writes them in
+    :func:`torch.topk` order. Nothing downstream depends on the order.
     ``dropout`` is applied to the kept values, as in the MaxK-GNN paper.
 
     Args:

@@ -190,7 +190,8 @@ def to_dense(h: CBSR) -> Tensor:
 def maxk_select(x: Tensor, k: int) -> Tuple[Tensor, Tensor]:
     """``(values [N, k], indices [N, k])`` of the ``k`` largest entries per
     row (the entries :func:`torch.topk` keeps; ties to the lowest column), in
-    column order."""
+    bank-major order (by column mod 32, then column; see
+    :mod:`~pyg_maxk.kernels.maxk_select`)."""
     return maxk_select_op(x, k)
 
 
