@@ -19,7 +19,8 @@ from typing import Dict, List, Optional
 import torch
 
 from .datasets import PRESETS, DatasetUnavailable, dataset_names, load_dataset
-from .training import TrainConfig, ddp_context, ddp_shutdown, train_full_batch, train_neighbor
+from .training import (TrainConfig, ddp_context, ddp_shutdown, flush_denormals, train_full_batch,
+                       train_neighbor)
 
 DEFAULT_DATASET = "small"
 
@@ -62,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="multiply a synthetic preset's nodes and edges")
     t.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="torch device")
+    t.add_argument("--keep-denormals", action="store_true",
+                   help="on a CPU, keep IEEE denormal floats (by default they are "
+                        "flushed to zero: late in training, gradients in the denormal "
+                        "range make CPU matrix products several times slower)")
     t.add_argument("--seed", type=int, default=0,
                    help="seed of the data generator, the initial weights and sampling")
     t.add_argument("--compare", action="store_true",
@@ -114,6 +119,8 @@ def train(args) -> int:
     if problem:
         print(f"pyg-maxk train: error: {problem}", file=sys.stderr)
         return 2
+    if not args.keep_denormals:
+        flush_denormals(args.device)  # before any parallel op starts torch's threads
     if not args.ddp:
         return _train(args, 0, 1, args.device, None)
     try:

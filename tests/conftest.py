@@ -21,3 +21,9 @@ def _fresh_graph_cache():
     pyg_maxk.clear_graph_cache()
     yield
     pyg_maxk.clear_graph_cache()
+
+
+@pytest.fixture(autouse=True)
+def _ieee_denormals():
+    yield
+    torch.set_flush_denormal(False)  # `pyg-maxk train` flushes them on a CPU

@@ -71,6 +71,15 @@ def test_seeded_runs_reproduce(capsys):
     assert strip and strip == [line for line in second if "loss" in line]
 
 
+@pytest.mark.parametrize("extra,expected", [([], [True]), (["--keep-denormals"], [])])
+def test_cpu_training_flushes_denormals_unless_asked_not_to(extra, expected, monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch, "set_flush_denormal", lambda on: calls.append(on) or True)
+    assert main(["train", "--epochs", "1", "--dataset", "small", "--scale", "0.2",
+                 "--hidden", "16", "--no-progress", "--device", "cpu", *extra]) == 0
+    assert calls == expected
+
+
 class _FakeOgbDataset:
     """Stands in for ogb's PygNodePropPredDataset (tests never download)."""
 

@@ -89,3 +89,21 @@ def test_ddp_two_processes_gloo(tmp_path):
     assert ranks[0].keys() == ranks[1].keys()
     for name in ranks[0]:
         torch.testing.assert_close(ranks[0][name], ranks[1][name], rtol=0, atol=0, msg=name)
+
+
+def test_flush_denormals_only_on_a_cpu(monkeypatch):
+    from pyg_maxk.training import flush_denormals
+
+    calls = []
+    monkeypatch.setattr(torch, "set_flush_denormal", lambda on: calls.append(on) or True)
+    assert flush_denormals("cpu") is True and calls == [True]
+    assert flush_denormals("cuda:0") is False and calls == [True]
+
+
+def test_flushed_denormals_read_as_zero():
+    from pyg_maxk.training import flush_denormals
+
+    if not flush_denormals("cpu"):
+        pytest.skip("this CPU has no flush-to-zero mode")
+    tiny = torch.tensor([1e-39, 1.0])  # 1e-39 is denormal in float32
+    assert (tiny * 1.0).tolist() == [0.0, 1.0]
