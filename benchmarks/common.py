@@ -39,6 +39,38 @@ def time_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 3,
             "repeats": repeats}
 
 
+def time_interleaved(fns: Dict[str, Callable[[], object]], device: torch.device, *,
+                     rounds: int = 30, per_round: int = 5, warmup: int = 10
+                     ) -> Dict[str, Dict[str, float]]:
+    """Like :func:`time_ms` for several functions at once, timed round-robin
+    (``per_round`` calls of each, ``rounds`` times): host-bound work drifts
+    by tens of percent within a minute, and interleaving exposes every
+    function to the same drift."""
+    samples: Dict[str, List[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            for _ in range(per_round):
+                if device.type == "cuda":
+                    start = torch.cuda.Event(enable_timing=True)
+                    end = torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    fn()
+                    end.record()
+                    end.synchronize()
+                    samples[name].append(start.elapsed_time(end))
+                else:
+                    t0 = time.perf_counter()
+                    fn()
+                    samples[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: {"median_ms": statistics.median(t), "min_ms": min(t), "max_ms": max(t),
+                   "repeats": len(t)} for name, t in samples.items()}
+
+
 def environment(device: torch.device) -> Dict[str, object]:
     env = {
         "python": sys.version.split()[0],
