@@ -109,6 +109,13 @@ conflicts simulated, 4.15 ms measured. Shared memory has no float add on
 sm_90 (``atomicAdd`` compiles to a compare-and-swap loop), so the rest stays
 unless the accumulation leaves shared memory.
 
+The backward is bound by its global reductions: a kernel issuing only them
+(``benchmarks/reduction_ceiling.py``, same lanes and widths) took 4.05 ms at
+k=32, dim 256 on the Reddit-shaped graph (3.6 TB/s of float32 added) against
+4.53 ms for the SSpMM, and 1.72 against 2.2 ms at k <= 8. Two slots per
+reduction took about as long as four (4.14 vs 4.03 ms), so the bytes, not the
+instructions, set that floor.
+
 MaxK's columns are not uniform on real features: in a Reddit-trained SAGE
 layer one column was in every row and 27-29 in more than half, so the groups
 of a warp kept adding to the same column of their rows at once, all in one

@@ -1,0 +1,158 @@
+"""The floor under the backward SSpMM: how fast can the GPU add into CBSR rows?
+
+    python benchmarks/reduction_ceiling.py          # GPU, Reddit-shaped graph
+    python benchmarks/reduction_ceiling.py --tiny   # CPU smoke run (Numba's simulator)
+
+For every edge ``r <- s`` the SSpMM adds ``k`` floats into the gradient of
+``s``'s CBSR row, with global reductions (``width`` slots per reduction, as
+:func:`~pyg_maxk.kernels.spgemm.sspmm_vector_width` picks: one 16-byte
+``REDG.E.ADD.F32x4`` per lane at k >= 16 on sm_90). The kernel below issues
+exactly those reductions, in the same lanes, and nothing else: no CBSR
+indices, no shared-memory reads of ``grad_out``, no staging. Its time is a
+floor for the SSpMM at the same ``k``; the JSON puts the two side by side,
+with the same reductions one slot (4 bytes) per lane, and the stock backward
+(cuSPARSE SpMM with the transposed adjacency). Each run adds 1.0 per edge
+and slot, so every slot ends up holding its node's out-degree: that is
+checked before timing.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+from pathlib import Path
+
+if "--tiny" in sys.argv:  # before Numba is imported
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import pyg_maxk  # noqa: E402
+from pyg_maxk import CSRGraph  # noqa: E402
+from pyg_maxk.datasets import PRESETS, power_law_edge_index  # noqa: E402
+from pyg_maxk.kernels import cuda_module  # noqa: E402
+from pyg_maxk.kernels._vector import vector_atomic_add  # noqa: E402
+from pyg_maxk.kernels.spgemm import sspmm_vector_width  # noqa: E402
+from pyg_maxk.ops import numba_ops  # noqa: E402
+
+from common import RESULTS, environment, pyplot, save, time_ms  # noqa: E402
+
+cuda = cuda_module()
+from numba import float32, uint32  # noqa: E402
+
+
+@functools.lru_cache(maxsize=None)
+def reduction_kernel(k: int, width: int):
+    """``grad[col[e] * k + j] += 1`` for every edge ``e`` and slot ``j``: one
+    thread per (edge, group of ``width`` slots), ``width`` slots per reduction
+    (one vector reduction for 2 or 4)."""
+    add = vector_atomic_add(width) if width > 1 else None
+    kk, lanes, vw = uint32(k), uint32(k // width), uint32(width)
+    one = float32(1.0)
+
+    @cuda.jit
+    def reduce(col, grad, num_edges):
+        stride = uint32(cuda.gridDim.x) * uint32(cuda.blockDim.x)
+        for i in range(uint32(cuda.grid(1)), uint32(num_edges) * lanes, stride):
+            e = i // lanes
+            slot = uint32(col[e]) * kk + (i - e * lanes) * vw
+            if width == 4:
+                add(grad, slot, one, one, one, one)
+            elif width == 2:
+                add(grad, slot, one, one)
+            else:
+                cuda.atomic.add(grad, slot, one)
+
+    return reduce
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="small CPU smoke run (simulator)")
+    p.add_argument("--ks", default="2,4,8,16,32,64")
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--out", default=str(RESULTS))
+    args = p.parse_args(argv)
+    if args.tiny:
+        device, nodes, edges, max_deg, ks, repeats = torch.device("cpu"), 100, 500, 50, [4, 16], 1
+    else:
+        device = torch.device("cuda")
+        reddit = PRESETS["reddit-like"]
+        nodes, edges, max_deg = reddit.num_nodes, reddit.num_edges, reddit.max_degree
+        ks, repeats = [int(k) for k in args.ks.split(",")], args.repeats
+    ei = power_law_edge_index(nodes, edges, max_degree=max_deg, seed=0, device=device)
+    graph = CSRGraph.from_adj(ei, (nodes, nodes), normalization="mean")
+    del ei
+    col = graph.kernel_col()
+    out_degree = torch.bincount(col.long(), minlength=nodes).float()
+    run = numba_ops.launcher()
+    threads = numba_ops.block_threads()
+    blocks = run.max_blocks(device, threads)
+    grad_out = torch.randn(nodes, args.dim, device=device)
+    a_t = graph.torch_csr(torch.float32).t().to_sparse_csr()
+    stock_ms = time_ms(lambda: torch.sparse.mm(a_t, grad_out), device,
+                       repeats=repeats)["median_ms"]
+    weight, row_scale = numba_ops.kernel_weights(graph)
+    warmup = 1 if args.tiny else 3
+    rows = []
+    for k in ks:
+        h = pyg_maxk.maxk(torch.randn(nodes, args.dim, device=device), k)
+        s = graph.schedule(numba_ops.max_edges_per_item(k))
+        sspmm_ms = time_ms(lambda: numba_ops.sspmm_op(s.row, s.start, s.end, col, weight,
+                                                      row_scale, h.indices, grad_out, nodes),
+                           device, warmup=warmup, repeats=repeats)["median_ms"]
+        width = sspmm_vector_width(k)
+        row = {"k": k, "dim": args.dim, "slots_per_reduction": width,
+               "stock_backward_ms": stock_ms, "maxk_sspmm_ms": sspmm_ms}
+        for name, w in (("reduce", width), ("reduce_1slot", 1)):
+            kernel = reduction_kernel(k, w)
+            grad = torch.zeros(nodes * k, device=device)
+            run(kernel, blocks, threads, device, col, grad, col.numel())
+            assert torch.equal(grad.view(nodes, k), out_degree[:, None].expand(nodes, k)), \
+                "the reductions missed or repeated slots"
+            ms = time_ms(lambda: run(kernel, blocks, threads, device, col, grad, col.numel()),
+                         device, warmup=warmup, repeats=repeats)["median_ms"]
+            row[f"{name}_ms"] = ms
+            row[f"{name}_gbytes_per_s"] = graph.num_edges * k * 4 / ms / 1e6
+        row["sspmm_over_reduce"] = sspmm_ms / row["reduce_ms"]
+        rows.append(row)
+        print(f"k {k:3d}: reductions only {row['reduce_ms']:.3f} ms "
+              f"({row['reduce_gbytes_per_s']:.0f} GB/s added, {width} slots each; one slot "
+              f"each {row['reduce_1slot_ms']:.3f} ms) | SSpMM {sspmm_ms:.3f} ms "
+              f"({row['sspmm_over_reduce']:.2f}x the reductions) | stock backward "
+              f"{stock_ms:.3f} ms", flush=True)
+    name = "reduction_ceiling-tiny" if args.tiny else "reduction_ceiling"
+    payload = {"benchmark": "reduction_ceiling", "environment": environment(device),
+               "graph": {"nodes": nodes, "edges": graph.num_edges}, "rows": rows}
+    save(name, payload, args.out, lambda png, hardware: plot(rows, png, hardware))
+
+
+def plot(rows, path, hardware):
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(8.5, 4))
+    for key, label in (("maxk_sspmm_ms", "MaxK SSpMM"),
+                       ("reduce_ms", "its reductions only"),
+                       ("reduce_1slot_ms", "its reductions, one slot each"),
+                       ("stock_backward_ms", "stock backward (cuSPARSE, A^T)")):
+        ax.plot([r["k"] for r in rows], [r[key] for r in rows], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("k")
+    ax.set_ylabel("ms")
+    ax.set_title(f"Backward floor: global reductions into CBSR rows ({hardware})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
