@@ -99,6 +99,29 @@ def test_maxk_select_all_k(dim):
         assert_same_selection(kernel_maxk(x, k), x, k, order="bank")
 
 
+@pytest.mark.parametrize("dim,k", [(64, 7), (256, 32), (1000, 500)])
+def test_maxk_select_counts_agree_with_and_without_redux(dim, k):
+    # The layers count with redux.sync on sm_80+; the shuffle counts stay for
+    # older GPUs. Random rows and rows of few values (ties across lanes).
+    from pyg_maxk.kernels.maxk_select import select_kernel
+
+    few = torch.randint(-2, 2, (5_000, dim), device="cuda").float()
+    for x in (torch.randn(20_000, dim, device="cuda"), few):
+        n = x.size(0)
+        run, rows_per_block, threads, blocks = numba_ops._row_launch(n, x.device)
+        picked = []
+        for redux in (False, True):
+            poison_allocator()
+            values = torch.empty(n, k, device="cuda")
+            indices = torch.empty(n, k, dtype=pyg_maxk.index_dtype_for(dim), device="cuda")
+            run(select_kernel(dim, k, rows_per_block, redux), blocks, threads, x.device, x,
+                x.view(torch.int32), values, indices, n)
+            picked.append((values, indices))
+        assert torch.equal(picked[0][0], picked[1][0])
+        assert torch.equal(picked[0][1], picked[1][1])
+        assert_same_selection(pyg_maxk.CBSR(*picked[1], dim), x, k, order="bank")
+
+
 @pytest.mark.parametrize("dim", [64, 256, 1000, 3072, 3073])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_to_dense_kernel_power_law_rows(dim, dtype):

@@ -36,9 +36,11 @@ def warp_sync():
 
 
 @functools.lru_cache(maxsize=None)
-def warp_sum():
+def warp_sum(redux: bool = False):
     """``warp_sum(value, lane, scratch_row) -> uint32``: the sum of a uint32
-    over the warp's lanes, returned to every lane."""
+    over the warp's lanes, returned to every lane. With ``redux`` (the
+    device must be sm_80 or later) one ``redux.sync`` instruction, else five
+    shuffle-and-add steps."""
     if simulator_enabled():
         @cuda.jit(device=True, inline=True)
         def total(value, lane, scratch_row):
@@ -49,6 +51,12 @@ def warp_sum():
                 s += scratch_row[other]
             cuda.syncthreads()
             return s
+    elif redux:
+        add_over_warp = _redux_add()
+
+        @cuda.jit(device=True, inline=True)
+        def total(value, lane, scratch_row):
+            return add_over_warp(uint32(value))
     else:
         @cuda.jit(device=True, inline=True)
         def total(value, lane, scratch_row):
@@ -64,6 +72,27 @@ def warp_sum():
             s = int32(s + cuda.shfl_xor_sync(FULL_MASK, s, 1))
             return uint32(s)
     return total
+
+
+@functools.lru_cache(maxsize=None)
+def _redux_add():
+    """``add_over_warp(value: uint32) -> uint32``: PTX ``redux.sync.add.u32``
+    over all 32 lanes (sm_80+), which Numba does not emit on its own."""
+    from llvmlite import ir
+    from numba.core import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def add_over_warp(typingctx, value):
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            asm = ir.InlineAsm(ir.FunctionType(i32, [i32, i32]),
+                               "redux.sync.add.u32 $0, $1, $2;", "=r,r,r", side_effect=True)
+            return builder.call(asm, [args[0], ir.Constant(i32, FULL_MASK)])
+
+        return types.uint32(types.uint32), codegen
+
+    return add_over_warp
 
 
 @functools.lru_cache(maxsize=None)

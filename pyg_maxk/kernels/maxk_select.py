@@ -67,14 +67,15 @@ def _order_key():
 
 
 @functools.lru_cache(maxsize=None)
-def select_kernel(dim: int, k: int, rows_per_block: int):
+def select_kernel(dim: int, k: int, rows_per_block: int, redux: bool = False):
     """The compiled selection kernel for one ``(dim, k)``; ``x_bits`` is ``x``
-    viewed as int32."""
+    viewed as int32. ``redux``: count with ``redux.sync`` (sm_80+; see
+    :func:`~._warp.warp_sum`)."""
     per_lane = math.ceil(dim / WARP)
     if per_lane > WARP:  # a lane's kept entries are the bits of one uint32
         raise ValueError(f"dim={dim} is too wide for the select kernel (at most {WARP * WARP})")
     order_key = _order_key()
-    count_all, rank, lanes_below = warp_sum(), warp_rank(), warp_exclusive_sum()
+    count_all, rank, lanes_below = warp_sum(redux), warp_rank(), warp_exclusive_sum()
     kk, d32, w32, zero, one = uint32(k), uint32(dim), uint32(WARP), uint32(0), uint32(1)
     rpb = uint32(rows_per_block)
 

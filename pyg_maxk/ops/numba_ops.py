@@ -121,8 +121,8 @@ def _maxk_select(x: Tensor, k: int) -> Tuple[Tensor, Tensor]:
     indices = torch.empty(n, k, dtype=index_dtype_for(dim), device=x.device)
     if n > 0:
         run, rows_per_block, threads, blocks = _row_launch(n, x.device)
-        run(select_kernel(dim, k, rows_per_block), blocks, threads, x.device, x32,
-            x32.view(torch.int32), values, indices, n)
+        kernel = select_kernel(dim, k, rows_per_block, _has_redux(x.device))
+        run(kernel, blocks, threads, x.device, x32, x32.view(torch.int32), values, indices, n)
     return values.to(x.dtype), indices
 
 
@@ -286,6 +286,11 @@ def _index_operand(indices: Tensor, width: int, *aligned: Tensor) -> Tuple[Tenso
             or flat.data_ptr() % word_bytes or any(t.data_ptr() % (4 * width) for t in aligned)):
         return flat, 1, bits
     return flat.view(_WORD_DTYPES[word_bytes]), width, bits
+
+
+def _has_redux(device: torch.device) -> bool:
+    """Whether the GPU has the ``redux.sync`` warp reduction (sm_80 and later)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def _has_vector_atomics(device: torch.device) -> bool:
