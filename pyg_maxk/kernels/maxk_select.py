@@ -7,7 +7,10 @@ bits (most significant first) finds the ``k``-th largest key ``T``: one
 warp-wide count per bit, 32 at most, stopping early once exactly ``k`` keys
 lie at or above the candidate prefix. The cost per row is
 ``O(32 * dim / 32)`` whatever ``k``; ``torch.topk`` costs several times more
-on the shapes MaxK sees (measured in ``benchmarks/kernels.py``).
+on the shapes MaxK sees (measured in ``benchmarks/kernels.py``). On sm_80 and
+later a warp-wide count is one ``redux.sync`` instead of five shuffle-add
+steps (H200, dim 256, k=32: 232,965 rows 0.43 -> 0.33 ms, 2.45M rows 3.69 ->
+3.18 ms).
 
 The kernel keeps every key above ``T`` and, among the keys equal to ``T``,
 the lowest columns. As in :func:`torch.topk`, NaN ranks above every number

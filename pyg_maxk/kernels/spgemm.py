@@ -105,9 +105,9 @@ conflict-free column (same loads, same instructions) ran in 3.6 instead of
 4.6 ms. The select kernel now writes each CBSR row in bank-major order
 (:mod:`.maxk_select`), so a lane's consecutive slots fall in different banks
 and the groups' rows, ``ROW_PAD`` apart, shift them further: about 2.9-way
-conflicts simulated, 4.15 ms measured. Shared memory has no float add on
-sm_90 (``atomicAdd`` compiles to a compare-and-swap loop), so the rest stays
-unless the accumulation leaves shared memory.
+conflicts simulated, 4.15-4.29 ms measured (two runs). Shared memory has no
+float add on sm_90 (``atomicAdd`` compiles to a compare-and-swap loop), so
+the rest stays unless the accumulation leaves shared memory.
 
 The backward is bound by its global reductions: a kernel issuing only them
 (``benchmarks/reduction_ceiling.py``, same lanes and widths) took 4.05 ms at
