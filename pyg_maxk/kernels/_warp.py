@@ -42,16 +42,8 @@ def warp_sum(redux: bool = False):
     device must be sm_80 or later) one ``redux.sync`` instruction, else five
     shuffle-and-add steps."""
     if simulator_enabled():
-        @cuda.jit(device=True, inline=True)
-        def total(value, lane, scratch_row):
-            scratch_row[lane] = uint32(value)
-            cuda.syncthreads()
-            s = uint32(0)
-            for other in range(WARP):
-                s += scratch_row[other]
-            cuda.syncthreads()
-            return s
-    elif redux:
+        return _scratch_sum(below_only=False)
+    if redux:
         add_over_warp = _redux_add()
 
         @cuda.jit(device=True, inline=True)
@@ -71,6 +63,24 @@ def warp_sum(redux: bool = False):
             s = int32(s + cuda.shfl_xor_sync(FULL_MASK, s, 2))
             s = int32(s + cuda.shfl_xor_sync(FULL_MASK, s, 1))
             return uint32(s)
+    return total
+
+
+@functools.lru_cache(maxsize=None)
+def _scratch_sum(below_only: bool):
+    """The simulator's warp sums: through the warp's ``scratch_row``, over all
+    lanes or (``below_only``) over the lanes below this one."""
+    @cuda.jit(device=True, inline=True)
+    def total(value, lane, scratch_row):
+        scratch_row[lane] = uint32(value)
+        cuda.syncthreads()
+        s = uint32(0)
+        for other in range(WARP):
+            if not below_only or other < lane:
+                s += scratch_row[other]
+        cuda.syncthreads()
+        return s
+
     return total
 
 
@@ -100,34 +110,25 @@ def warp_exclusive_sum():
     """``warp_exclusive_sum(value, lane, scratch_row) -> uint32``: the sum of
     a uint32 over the lanes below this one (0 on lane 0)."""
     if simulator_enabled():
-        @cuda.jit(device=True, inline=True)
-        def below(value, lane, scratch_row):
-            scratch_row[lane] = uint32(value)
-            cuda.syncthreads()
-            s = uint32(0)
-            for other in range(WARP):
-                if other < lane:
-                    s += scratch_row[other]
-            cuda.syncthreads()
-            return s
-    else:
-        @cuda.jit(device=True, inline=True)
-        def below(value, lane, scratch_row):
-            # An inclusive scan (a shuffle from ``delta`` lanes down returns
-            # the lane's own value below ``delta``: not added), minus its own.
-            v = int32(value)
-            s = v
-            t = cuda.shfl_up_sync(FULL_MASK, s, 1)
-            s = int32(s + (t if lane >= uint32(1) else int32(0)))
-            t = cuda.shfl_up_sync(FULL_MASK, s, 2)
-            s = int32(s + (t if lane >= uint32(2) else int32(0)))
-            t = cuda.shfl_up_sync(FULL_MASK, s, 4)
-            s = int32(s + (t if lane >= uint32(4) else int32(0)))
-            t = cuda.shfl_up_sync(FULL_MASK, s, 8)
-            s = int32(s + (t if lane >= uint32(8) else int32(0)))
-            t = cuda.shfl_up_sync(FULL_MASK, s, 16)
-            s = int32(s + (t if lane >= uint32(16) else int32(0)))
-            return uint32(s - v)
+        return _scratch_sum(below_only=True)
+
+    @cuda.jit(device=True, inline=True)
+    def below(value, lane, scratch_row):
+        # An inclusive scan (a shuffle from ``delta`` lanes down returns
+        # the lane's own value below ``delta``: not added), minus its own.
+        v = int32(value)
+        s = v
+        t = cuda.shfl_up_sync(FULL_MASK, s, 1)
+        s = int32(s + (t if lane >= uint32(1) else int32(0)))
+        t = cuda.shfl_up_sync(FULL_MASK, s, 2)
+        s = int32(s + (t if lane >= uint32(2) else int32(0)))
+        t = cuda.shfl_up_sync(FULL_MASK, s, 4)
+        s = int32(s + (t if lane >= uint32(4) else int32(0)))
+        t = cuda.shfl_up_sync(FULL_MASK, s, 8)
+        s = int32(s + (t if lane >= uint32(8) else int32(0)))
+        t = cuda.shfl_up_sync(FULL_MASK, s, 16)
+        s = int32(s + (t if lane >= uint32(16) else int32(0)))
+        return uint32(s - v)
     return below
 
 
