@@ -71,6 +71,38 @@ def time_interleaved(fns: Dict[str, Callable[[], object]], device: torch.device,
                    "repeats": len(t)} for name, t in samples.items()}
 
 
+def ceiling_setup(description: str, argv=None):
+    """``(args, device, graph)`` of the two floor benchmarks
+    (``gather_ceiling.py``, ``reduction_ceiling.py``): their shared flags,
+    and the mean-normalised Reddit-shaped graph on a GPU, or with ``--tiny`` a
+    100-node one on the CPU (Numba's simulator). ``args.ks`` and
+    ``args.repeats`` come back resolved (``--tiny``: k 4 and 16, one repeat)."""
+    import argparse
+
+    from pyg_maxk import CSRGraph
+    from pyg_maxk.datasets import PRESETS, power_law_edge_index
+
+    p = argparse.ArgumentParser(description=description,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="small CPU smoke run (simulator)")
+    p.add_argument("--ks", default="2,4,8,16,32,64")
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--out", default=str(RESULTS))
+    args = p.parse_args(argv)
+    if args.tiny:
+        device, nodes, edges, max_deg = torch.device("cpu"), 100, 500, 50
+        args.ks, args.repeats = [4, 16], 1
+    else:
+        device = torch.device("cuda")
+        reddit = PRESETS["reddit-like"]
+        nodes, edges, max_deg = reddit.num_nodes, reddit.num_edges, reddit.max_degree
+        args.ks = [int(k) for k in args.ks.split(",")]
+    edge_index = power_law_edge_index(nodes, edges, max_degree=max_deg, seed=0, device=device)
+    graph = CSRGraph.from_adj(edge_index, (nodes, nodes), normalization="mean")
+    return args, device, graph
+
+
 def environment(device: torch.device) -> Dict[str, object]:
     env = {
         "python": sys.version.split()[0],
@@ -133,6 +165,28 @@ def pyplot():
         print("matplotlib missing: no plot")
         return None
     return plt
+
+
+def plot_ms_against_k(rows, series, title: str, path) -> None:
+    """A log-log plot of milliseconds against ``k``, one line per ``(key,
+    label)`` of ``series`` over the rows that have ``key``."""
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(8.5, 4))
+    for key, label in series:
+        have = [r for r in rows if key in r]
+        if have:
+            ax.plot([r["k"] for r in have], [r[key] for r in have], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("k")
+    ax.set_ylabel("ms")
+    ax.set_title(title)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:

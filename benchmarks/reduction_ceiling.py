@@ -17,7 +17,6 @@ checked before timing.
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import sys
@@ -32,14 +31,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pyg_maxk  # noqa: E402
-from pyg_maxk import CSRGraph  # noqa: E402
-from pyg_maxk.datasets import PRESETS, power_law_edge_index  # noqa: E402
 from pyg_maxk.kernels import cuda_module  # noqa: E402
 from pyg_maxk.kernels._vector import vector_atomic_add  # noqa: E402
 from pyg_maxk.kernels.spgemm import sspmm_vector_width  # noqa: E402
 from pyg_maxk.ops import numba_ops  # noqa: E402
 
-from common import RESULTS, environment, pyplot, save, time_ms  # noqa: E402
+from common import (ceiling_setup, environment, plot_ms_against_k, save,  # noqa: E402
+                    time_ms)
 
 cuda = cuda_module()
 from numba import float32, uint32  # noqa: E402
@@ -71,24 +69,8 @@ def reduction_kernel(k: int, width: int):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tiny", action="store_true", help="small CPU smoke run (simulator)")
-    p.add_argument("--ks", default="2,4,8,16,32,64")
-    p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--out", default=str(RESULTS))
-    args = p.parse_args(argv)
-    if args.tiny:
-        device, nodes, edges, max_deg, ks, repeats = torch.device("cpu"), 100, 500, 50, [4, 16], 1
-    else:
-        device = torch.device("cuda")
-        reddit = PRESETS["reddit-like"]
-        nodes, edges, max_deg = reddit.num_nodes, reddit.num_edges, reddit.max_degree
-        ks, repeats = [int(k) for k in args.ks.split(",")], args.repeats
-    ei = power_law_edge_index(nodes, edges, max_degree=max_deg, seed=0, device=device)
-    graph = CSRGraph.from_adj(ei, (nodes, nodes), normalization="mean")
-    del ei
+    args, device, graph = ceiling_setup(__doc__, argv)
+    nodes, ks, repeats = graph.num_dst, args.ks, args.repeats
     col = graph.kernel_col()
     out_degree = torch.bincount(col.long(), minlength=nodes).float()
     run = numba_ops.launcher()
@@ -134,24 +116,11 @@ def main(argv=None):
 
 
 def plot(rows, path, hardware):
-    plt = pyplot()
-    if plt is None:
-        return
-    fig, ax = plt.subplots(figsize=(8.5, 4))
-    for key, label in (("maxk_sspmm_ms", "MaxK SSpMM"),
-                       ("reduce_ms", "its reductions only"),
-                       ("reduce_1slot_ms", "its reductions, one slot each"),
-                       ("stock_backward_ms", "stock backward (cuSPARSE, A^T)")):
-        ax.plot([r["k"] for r in rows], [r[key] for r in rows], marker="o", label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("k")
-    ax.set_ylabel("ms")
-    ax.set_title(f"Backward floor: global reductions into CBSR rows ({hardware})")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plot_ms_against_k(rows, (("maxk_sspmm_ms", "MaxK SSpMM"),
+                             ("reduce_ms", "its reductions only"),
+                             ("reduce_1slot_ms", "its reductions, one slot each"),
+                             ("stock_backward_ms", "stock backward (cuSPARSE, A^T)")),
+                      f"SSpMM vs its reduction floor, {hardware}", path)
 
 
 if __name__ == "__main__":
