@@ -110,7 +110,7 @@ class Launcher:
         """Blocks of a grid-stride launch: enough to fill every SM."""
         if self.simulator:
             return 2
-        index = _index(device)
+        index = device_index(device)
         sms = self._num_sms.get(index)
         if sms is None:
             sms = self._num_sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
@@ -122,7 +122,7 @@ class Launcher:
         wave (blocks of equal work then finish together)."""
         if self.simulator:
             return 2
-        key = (_index(device), threads, shared_bytes)
+        key = (device_index(device), threads, shared_bytes)
         blocks = self._resident.get(key)
         if blocks is None:  # once per shape: the layers ask on every forward
             props = torch.cuda.get_device_properties(key[0])
@@ -137,7 +137,7 @@ class Launcher:
     def __call__(self, kernel, blocks: int, threads: int, device: torch.device, *args) -> None:
         """``kernel[blocks, threads, current stream](*args)``; ``args`` are
         C-contiguous tensors and Python ints."""
-        index = None if self.simulator else _index(device)
+        index = None if self.simulator else device_index(device)
         key = (id(kernel), index) + tuple((a.dtype, a.dim()) if isinstance(a, Tensor) else int
                                           for a in args)
         handle = self._handles.get(key)
@@ -181,7 +181,8 @@ class Launcher:
         return self.cuda.gpus[index]
 
 
-def _index(device: torch.device) -> int:
+def device_index(device: torch.device) -> int:
+    """The CUDA device index of ``device`` (the current one when it names none)."""
     return device.index if device.index is not None else torch.cuda.current_device()
 
 

@@ -14,6 +14,7 @@ kernels on CPU tensors.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -27,7 +28,7 @@ from ..kernels.linear import (LINEAR_WARPS, column_tiles, linear_blocks, linear_
 from ..kernels.maxk_select import ROWS_PER_BLOCK, densify_fits, densify_kernel, select_kernel
 from ..kernels.spgemm import (fits_shared_memory, reads_pairs, spgemm_kernel,
                               spgemm_vector_width, sspmm_kernel, sspmm_vector_width)
-from ._launch import launcher
+from ._launch import device_index, launcher
 
 #: Threads of one SpGEMM/SSpMM block. The kernels work per warp; under the
 #: simulator blocks are one warp (there ``syncthreads`` stands in for
@@ -288,14 +289,20 @@ def _index_operand(indices: Tensor, width: int, *aligned: Tensor) -> Tuple[Tenso
     return flat.view(_WORD_DTYPES[word_bytes]), width, bits
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> Tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 def _has_redux(device: torch.device) -> bool:
     """Whether the GPU has the ``redux.sync`` warp reduction (sm_80 and later)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
+    return device.type == "cuda" and _capability(device_index(device)) >= (8, 0)
 
 
 def _has_vector_atomics(device: torch.device) -> bool:
-    """Whether the GPU has float32 vector atomics (sm_90 and later)."""
-    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0)
+    """Whether the GPU has float32 vector atomics (sm_90 and later); asked on
+    every backward, so the capability is read once per device."""
+    return device.type == "cuda" and _capability(device_index(device)) >= (9, 0)
 
 
 def value_index_pairs(values: Tensor, indices: Tensor) -> Tensor:
