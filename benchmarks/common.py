@@ -18,25 +18,22 @@ def time_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 3,
             repeats: int = 10) -> Dict[str, float]:
     """Median (and spread) of ``fn``'s time in ms: CUDA events on a GPU,
     ``perf_counter`` on the CPU, after ``warmup`` untimed calls."""
-    for _ in range(warmup):
-        fn()
-    times: List[float] = []
+    return time_interleaved({"fn": fn}, device, rounds=1, per_round=repeats,
+                            warmup=warmup)["fn"]
+
+
+def _elapsed_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """One call of ``fn``, timed with CUDA events on a GPU, else on the host."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-    else:
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times),
-            "repeats": repeats}
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
 
 
 def time_interleaved(fns: Dict[str, Callable[[], object]], device: torch.device, *,
@@ -54,19 +51,7 @@ def time_interleaved(fns: Dict[str, Callable[[], object]], device: torch.device,
         torch.cuda.synchronize(device)
     for _ in range(rounds):
         for name, fn in fns.items():
-            for _ in range(per_round):
-                if device.type == "cuda":
-                    start = torch.cuda.Event(enable_timing=True)
-                    end = torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    fn()
-                    end.record()
-                    end.synchronize()
-                    samples[name].append(start.elapsed_time(end))
-                else:
-                    t0 = time.perf_counter()
-                    fn()
-                    samples[name].append((time.perf_counter() - t0) * 1e3)
+            samples[name] += [_elapsed_ms(fn, device) for _ in range(per_round)]
     return {name: {"median_ms": statistics.median(t), "min_ms": min(t), "max_ms": max(t),
                    "repeats": len(t)} for name, t in samples.items()}
 
