@@ -26,6 +26,12 @@ def check_k(k: object) -> int:
     return k
 
 
+def as_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t.to(dtype)``, skipped when ``t`` has that type already: even a
+    no-op ``to`` costs 1-2 us of host time, and small graphs are host-bound."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _check_features(x: Tensor, what: str = "x") -> None:
     if not isinstance(x, Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
@@ -172,15 +178,15 @@ class _CBSRLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         values, indices, weight = ctx.saved_tensors
-        h = CBSR(values.to(grad_out.dtype), indices, ctx.dim)
+        h = CBSR(as_dtype(values, grad_out.dtype), indices, ctx.dim)
         grad_values = grad_weight = grad_bias = None
-        w = weight.to(grad_out.dtype)  # autocast's forward may have run in half
+        w = as_dtype(weight, grad_out.dtype)  # autocast's forward may have run in half
         if ctx.needs_input_grad[0]:
-            grad_values = (grad_out @ w).gather(1, h.long_indices()).to(values.dtype)
+            grad_values = as_dtype((grad_out @ w).gather(1, h.long_indices()), values.dtype)
         if ctx.needs_input_grad[3]:
-            grad_weight = (grad_out.t() @ h.to_dense()).to(weight.dtype)
+            grad_weight = as_dtype(grad_out.t() @ h.to_dense(), weight.dtype)
         if ctx.needs_input_grad[4]:
-            grad_bias = grad_out.sum(0).to(weight.dtype)
+            grad_bias = as_dtype(grad_out.sum(0), weight.dtype)
         return grad_values, None, None, grad_weight, grad_bias
 
 

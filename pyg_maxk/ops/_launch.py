@@ -3,7 +3,8 @@
 The first launch of a kernel specialisation goes through Numba (which
 compiles it, and wraps every tensor through the CUDA Array Interface,
 re-deriving its type: ~0.1 ms per array argument). Later launches skip Numba:
-the kernel's arguments are packed into one parameter buffer, in the layout
+the kernel's arguments are packed into one parameter buffer (one per
+kernel specialisation, reused by its launches), in the layout
 Numba's kernels take them (an array is ``meminfo, parent, nitems, itemsize,
 data, shape..., strides...``, an integer an int64: all 8-byte fields), and
 handed to the driver's ``cuLaunchKernel`` on the caller's current torch
@@ -19,7 +20,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-from typing import Callable, Optional
+import struct
+import threading
+from typing import Callable, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -38,15 +41,43 @@ _CUDA_ERROR_INVALID_CONTEXT = 201
 def kernel_params(args) -> list:
     """The 8-byte fields a Numba kernel takes for ``args`` (C-contiguous
     tensors and Python ints), in order."""
-    fields = []
+    return params_and_types(args)[0]
+
+
+def params_and_types(args) -> Tuple[list, tuple]:
+    """:func:`kernel_params` of ``args`` and the argument types that select a
+    compiled kernel (a tensor's dtype and number of dimensions; ``int``), in
+    one pass over ``args``."""
+    fields, types = [], []
     for a in args:
         if isinstance(a, Tensor):
             size = a.element_size()
-            fields += (0, 0, a.numel(), size, a.data_ptr(), *a.shape,
+            shape = a.shape
+            fields += (0, 0, a.numel(), size, a.data_ptr(), *shape,
                        *[s * size for s in a.stride()])
+            types.append((a.dtype, len(shape)))
         else:
             fields.append(int(a))
-    return fields
+            types.append(int)
+    return fields, tuple(types)
+
+
+class _PackedLaunch:
+    """One compiled kernel's driver handle and a parameter buffer reused by
+    every launch of it: the argument types in the launcher's key fix the
+    number of fields, so only their values are packed per launch (building a
+    fresh ctypes array of ~75 fields cost more than the rest of a launch)."""
+
+    __slots__ = ("handle", "packer", "buffer", "size", "extra")
+
+    def __init__(self, handle: int, num_fields: int) -> None:
+        self.handle = handle
+        self.packer = struct.Struct(f"={num_fields}q")
+        self.buffer = (ctypes.c_int64 * num_fields)()
+        self.size = ctypes.c_size_t(ctypes.sizeof(self.buffer))
+        self.extra = (ctypes.c_void_p * 5)(
+            _CU_LAUNCH_PARAM_BUFFER_POINTER, ctypes.addressof(self.buffer),
+            _CU_LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(self.size), _CU_LAUNCH_PARAM_END)
 
 
 class _DriverLaunch:
@@ -55,6 +86,9 @@ class _DriverLaunch:
     def __init__(self, cu_launch_kernel, raw_stream: Callable[[int], int]) -> None:
         self._launch = cu_launch_kernel
         self._raw_stream = raw_stream
+        # The driver copies the buffer at launch; the lock keeps another
+        # thread from repacking it in between.
+        self._lock = threading.Lock()
 
     @classmethod
     def create(cls) -> Optional["_DriverLaunch"]:
@@ -68,26 +102,25 @@ class _DriverLaunch:
         return cls(fn, raw_stream)
 
     @staticmethod
-    def handle_of(compiled) -> Optional[int]:
-        """The driver handle of a compiled Numba kernel, or None."""
+    def prepare(compiled, num_fields: int) -> Optional[_PackedLaunch]:
+        """The packed launch of a compiled Numba kernel taking ``num_fields``
+        parameter fields, or None where its driver handle is not reachable."""
         try:
-            return int(compiled._codelibrary.get_cufunc().handle)
+            handle = int(compiled._codelibrary.get_cufunc().handle)
         except (AttributeError, TypeError, ValueError):  # pragma: no cover
             return None
+        return _PackedLaunch(handle, num_fields)
 
-    def __call__(self, handle: int, blocks: int, threads: int, index: int, args) -> None:
-        fields = kernel_params(args)
-        buf = (ctypes.c_int64 * len(fields))(*fields)
-        size = ctypes.c_size_t(ctypes.sizeof(buf))
-        extra = (ctypes.c_void_p * 5)(_CU_LAUNCH_PARAM_BUFFER_POINTER, ctypes.addressof(buf),
-                                      _CU_LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(size),
-                                      _CU_LAUNCH_PARAM_END)
-        for attempt in range(2):
-            err = self._launch(handle, blocks, 1, 1, threads, 1, 1, 0,
-                               self._raw_stream(index), None, extra)
-            if err != _CUDA_ERROR_INVALID_CONTEXT or attempt:
-                break
-            torch.cuda.set_device(index)  # a thread without a current context
+    def __call__(self, packed: _PackedLaunch, blocks: int, threads: int, index: int,
+                 fields: list) -> None:
+        with self._lock:
+            packed.packer.pack_into(packed.buffer, 0, *fields)
+            for attempt in range(2):
+                err = self._launch(packed.handle, blocks, 1, 1, threads, 1, 1, 0,
+                                   self._raw_stream(index), None, packed.extra)
+                if err != _CUDA_ERROR_INVALID_CONTEXT or attempt:
+                    break
+                torch.cuda.set_device(index)  # a thread without a current context
         if err:
             raise RuntimeError(f"cuLaunchKernel failed with CUresult {err}")
 
@@ -101,7 +134,7 @@ class Launcher:
         self.simulator = simulator_enabled()
         self._streams: dict = {}
         self._num_sms: dict = {}
-        self._handles: dict = {}
+        self._packed: dict = {}
         self._resident: dict = {}
         self._driver = None if self.simulator else _DriverLaunch.create()
         self._multi_gpu = not self.simulator and torch.cuda.device_count() > 1
@@ -138,19 +171,20 @@ class Launcher:
         """``kernel[blocks, threads, current stream](*args)``; ``args`` are
         C-contiguous tensors and Python ints."""
         index = None if self.simulator else device_index(device)
-        key = (id(kernel), index) + tuple((a.dtype, a.dim()) if isinstance(a, Tensor) else int
-                                          for a in args)
-        handle = self._handles.get(key)
-        if handle is not None:
+        fields, types = params_and_types(args)
+        key = (id(kernel), index, types)
+        packed = self._packed.get(key)
+        if packed is not None:
             with self._on(index):
-                self._driver(handle, blocks, threads, index, args)
+                self._driver(packed, blocks, threads, index, fields)
             return
         with self._on(index), self._numba_device(index):
             arrays = [self._array(a) if isinstance(a, Tensor) else a for a in args]
             kernel[blocks, threads, self._stream(device)](*arrays)
             if self._driver is not None:
-                types = tuple(kernel.typeof_pyval(a) for a in arrays)
-                self._handles[key] = self._driver.handle_of(kernel.overloads[types])
+                numba_types = tuple(kernel.typeof_pyval(a) for a in arrays)
+                self._packed[key] = self._driver.prepare(kernel.overloads[numba_types],
+                                                         len(fields))
 
     # ----------------------------------------------------------- Numba's path
     def _array(self, t: Tensor):

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from ..cbsr import CBSR, index_dtype_for
+from . import as_dtype
 from ..graph import CSRGraph, WorkSchedule
 from ..kernels._warp import WARP
 from ..kernels.linear import (LINEAR_WARPS, column_tiles, linear_blocks, linear_fits,
@@ -46,6 +47,14 @@ UINT32_MAX = 2**32 - 1
 #: on an H200 for a Reddit-shaped CBSR) and saves one L2 request per edge
 #: (k=8: 0.22 ms over 114M edges, about 2 us per million edges).
 PAIRS_MIN_EDGES = 1 << 24
+
+
+def _kernel_input(t: Tensor) -> Tensor:
+    """``t`` as the kernels read it: float32 and C-contiguous, with no copy
+    when it is. The kernels take raw pointers, so a tensor that requires a
+    gradient needs no ``detach`` (each no-op ``to``/``detach`` costs 1-2 us
+    of host time, and small graphs are host-bound)."""
+    return as_dtype(t, KERNEL_DTYPE).contiguous()
 
 
 def block_threads() -> int:
@@ -117,14 +126,14 @@ def _row_launch(num_rows: int, device: torch.device):
 
 def _maxk_select(x: Tensor, k: int) -> Tuple[Tensor, Tensor]:
     n, dim = x.shape
-    x32 = x.detach().to(KERNEL_DTYPE).contiguous()
+    x32 = _kernel_input(x)
     values = torch.empty(n, k, dtype=KERNEL_DTYPE, device=x.device)
     indices = torch.empty(n, k, dtype=index_dtype_for(dim), device=x.device)
     if n > 0:
         run, rows_per_block, threads, blocks = _row_launch(n, x.device)
         kernel = select_kernel(dim, k, rows_per_block, _has_redux(x.device))
         run(kernel, blocks, threads, x.device, x32, x32.view(torch.int32), values, indices, n)
-    return values.to(x.dtype), indices
+    return as_dtype(values, x.dtype), indices
 
 
 def _maxk_select_fake(x: Tensor, k: int) -> Tuple[Tensor, Tensor]:
@@ -134,13 +143,13 @@ def _maxk_select_fake(x: Tensor, k: int) -> Tuple[Tensor, Tensor]:
 
 def _cbsr_to_dense(values: Tensor, indices: Tensor, dim: int) -> Tensor:
     n, k = values.shape
-    v32 = values.detach().to(KERNEL_DTYPE).contiguous()
+    v32 = _kernel_input(values)
     dense = torch.empty(n, dim, dtype=KERNEL_DTYPE, device=values.device)  # rows written whole
     if n > 0:
         run, rows_per_block, threads, blocks = _row_launch(n, values.device)
         run(densify_kernel(dim, k, rows_per_block), blocks, threads, values.device, v32,
             indices.contiguous(), dense, n)
-    return dense.to(values.dtype)
+    return as_dtype(dense, values.dtype)
 
 
 def _cbsr_to_dense_fake(values: Tensor, indices: Tensor, dim: int) -> Tensor:
@@ -215,11 +224,10 @@ def _cbsr_linear(values: Tensor, indices: Tensor, dim: int, weight: Tensor,
                                        linear_shared_bytes(dim, k, warps))
         row_blocks = min(-(-n // warps), max(1, resident // column_tiles(out_features)))
         kernel = linear_kernel(dim, k, out_features, warps, bias is not None)
-        weight_t = weight.detach().to(KERNEL_DTYPE).t().contiguous()
+        weight_t = as_dtype(weight, KERNEL_DTYPE).t().contiguous()
         run(kernel, linear_blocks(out_features, row_blocks), threads, values.device,
-            values.detach().to(KERNEL_DTYPE).contiguous(), indices.contiguous(), weight_t,
-            _or_unread(None if bias is None else bias.detach().to(KERNEL_DTYPE), weight_t),
-            out, n)
+            _kernel_input(values), indices.contiguous(), weight_t,
+            _or_unread(_as_kernel_dtype(bias), weight_t), out, n)
     return out
 
 
@@ -330,7 +338,7 @@ def _spgemm_operands(values: Tensor, indices: Tensor, num_edges: int):
     if _uses_pairs(k, num_edges):
         pairs = value_index_pairs(values, indices).view(-1)
         return pairs, pairs, spgemm_vector_width(k), 8 * indices.element_size(), True
-    v32 = values.detach().to(KERNEL_DTYPE).contiguous().view(-1)
+    v32 = _kernel_input(values).view(-1)
     words, width, bits = _index_operand(indices, spgemm_vector_width(k), v32)
     return v32, words, width, bits, False
 
@@ -355,7 +363,7 @@ def _spgemm(item_row: Tensor, item_start: Tensor, item_end: Tensor, item_split: 
         run(kernel, blocks, threads, values.device, item_row, item_start, item_end, item_split,
             col, _or_unread(weight, item_start), _or_unread(row_scale, item_start),
             v32, index_words, out, num_items)
-    return out.to(values.dtype)
+    return as_dtype(out, values.dtype)
 
 
 def _spgemm_fake(item_row, item_start, item_end, item_split, zeroed_rows, col, weight,
@@ -377,7 +385,7 @@ def _sspmm(item_row: Tensor, item_start: Tensor, item_end: Tensor, col: Tensor,
     num_items = item_row.numel()
     if num_items > 0:
         run, threads, blocks = _item_launch(num_items, grad_out.device)
-        g32 = grad_out.detach().to(KERNEL_DTYPE).contiguous()
+        g32 = _kernel_input(grad_out)
         index_words, width, bits = _index_operand(indices, sspmm_vector_width(k),
                                                    grad_values)
         kernel = sspmm_kernel(dim, k, threads, weight is not None, row_scale is not None,
@@ -385,7 +393,7 @@ def _sspmm(item_row: Tensor, item_start: Tensor, item_end: Tensor, col: Tensor,
         run(kernel, blocks, threads, grad_out.device, item_row, item_start, item_end, col,
             _or_unread(weight, item_start), _or_unread(row_scale, item_start),
             index_words, g32, grad_values.view(-1), num_items)
-    return grad_values.to(grad_out.dtype)
+    return as_dtype(grad_values, grad_out.dtype)
 
 
 def _sspmm_fake(item_row, item_start, item_end, col, weight, row_scale, indices, grad_out,
@@ -411,7 +419,8 @@ def _spgemm_backward(ctx, grad_out):
     weight = rest.pop(0) if ctx.has_weight else None
     row_scale = rest.pop(0) if ctx.has_row_scale else None
     grad_values = sspmm_op(item_row, item_start, item_end, col, weight, row_scale, indices,
-                           grad_out, ctx.num_src).to(ctx.values_dtype)
+                           grad_out, ctx.num_src)
+    grad_values = as_dtype(grad_values, ctx.values_dtype)
     return None, None, None, None, None, None, None, None, grad_values, None, None, None
 
 
@@ -419,7 +428,7 @@ spgemm_op = KernelOp("spgemm", _spgemm, _spgemm_fake, _spgemm_setup, _spgemm_bac
 
 
 def _as_kernel_dtype(t: Optional[Tensor]) -> Optional[Tensor]:
-    return t if t is None or t.dtype == KERNEL_DTYPE else t.to(KERNEL_DTYPE)
+    return None if t is None else as_dtype(t, KERNEL_DTYPE)
 
 
 def kernel_weights(graph: CSRGraph) -> Tuple[Optional[Tensor], Optional[Tensor]]:
