@@ -82,6 +82,33 @@ def test_kernel_params_follow_numbas_array_layout():
                                         0, 0, 7, 1, u.data_ptr(), 7, 1]
 
 
+def test_driver_launch_hands_the_packed_fields_to_the_driver():
+    # Each launch repacks the kernel's reused buffer; the driver must see this
+    # launch's fields (and the buffer's size), not a previous launch's.
+    import ctypes
+
+    from pyg_maxk.ops._launch import _DriverLaunch, _PackedLaunch, params_and_types
+
+    seen = []
+
+    def fake_cu_launch_kernel(handle, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        size = ctypes.c_size_t.from_address(extra[3]).value
+        buffer = (ctypes.c_int64 * (size // 8)).from_address(extra[1])
+        seen.append((handle, gx, bx, stream, list(buffer)))
+        return 0
+
+    driver = _DriverLaunch(fake_cu_launch_kernel, lambda index: 1000 + index)
+    t, u = torch.zeros(3, 5), torch.zeros(7, dtype=torch.uint8)
+    fields, types = params_and_types([t, 4, u])
+    assert types == ((torch.float32, 2), int, (torch.uint8, 1))
+    packed = _PackedLaunch(handle=77, num_fields=len(fields))
+    driver(packed, 6, 128, 0, fields)
+    v = torch.zeros(2, 5)
+    later, _ = params_and_types([v, 9, u])
+    driver(packed, 2, 64, 1, later)
+    assert seen == [(77, 6, 128, 1000, fields), (77, 2, 64, 1001, later)]
+
+
 def test_linear_grid_is_one_wave_of_resident_blocks(monkeypatch):
     # The CBSR linear kernel's blocks all have the same work, so its grid is
     # what the SMs hold at once: limited by threads or by shared memory (plus
