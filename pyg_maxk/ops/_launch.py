@@ -10,7 +10,10 @@ data, shape..., strides...``, an integer an int64: all 8-byte fields), and
 handed to the driver's ``cuLaunchKernel`` on the caller's current torch
 stream. Measured on an H200 host, a launch through Numba's own dispatch
 (``cuda.core``'s ``launch`` with one argument object per field, and a context
-lookup per call) costs 40-65 us of Python; the packed buffer a few us.
+lookup per call) costs 40-65 us of Python. This path derives the kernel's
+key and the fields in one pass and packs them in place into the buffer of
+that specialisation: 19 us on a 2-core CPU for 11 arguments, short of the
+driver call (38 us with a fresh ctypes array per launch).
 
 If any piece is missing (no ``libcuda``, another numba-cuda internal API),
 every launch takes Numba's path, which gives the same results.
