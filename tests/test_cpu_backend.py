@@ -40,6 +40,53 @@ def test_kernels_against_float64(dtype, normalization, size, dim, k):
     torch.testing.assert_close(values.grad.double(), ref, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("rows,dim,k,out_features,bias", [
+    (40, 24, 5, 7, True), (13, 300, 9, 16, False), (0, 40, 3, 5, True), (6, 64, 10, 0, True),
+    (1, 8, 1, 3, False)])
+def test_cbsr_linear_kernels_against_float64(dtype, rows, dim, k, out_features, bias,
+                                             monkeypatch):
+    # The root-term linear on CBSR rows (SAGE's lin_r), forward and backward,
+    # without a dense [N, dim] input anywhere (uint8 and int16 indices).
+    h = random_cbsr(rows, dim, k, dtype, seed=rows)
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(out_features, dim, generator=g, dtype=dtype, requires_grad=True)
+    b = torch.randn(out_features, generator=g, dtype=dtype, requires_grad=True) if bias else None
+    values = h.values.clone().requires_grad_()
+    dense_calls = []
+    monkeypatch.setattr(CBSR, "to_dense", lambda self: dense_calls.append(1))
+    with pyg_maxk.use_backend("cpu"):
+        out = pyg_maxk.ops.cbsr_linear(h.with_values(values), weight, b)
+        grad_out = torch.randn(out.shape, generator=g, dtype=dtype)
+        out.backward(grad_out)
+    assert not dense_calls
+    monkeypatch.undo()
+    dense = h.to_dense().double()
+    ref = torch.nn.functional.linear(dense, weight.double(), None if b is None else b.double())
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else {}
+    assert out.dtype == dtype and out.shape == (rows, out_features)
+    torch.testing.assert_close(out.double(), ref, **tol)
+    torch.testing.assert_close(values.grad.double(),
+                               (grad_out.double() @ weight.double()).gather(1, h.long_indices()),
+                               **tol)
+    torch.testing.assert_close(weight.grad.double(), grad_out.double().t() @ dense, **tol)
+    if bias:
+        torch.testing.assert_close(b.grad.double(), grad_out.double().sum(0), **tol)
+
+
+def test_cbsr_linear_cpu_kernels_only_for_one_float_type():
+    # Mixed types (or autocast) take the dense path, which casts as F.linear does.
+    h = random_cbsr(5, 16, 3, torch.float32)
+    weight = torch.randn(4, 16, dtype=torch.float64)
+    with pyg_maxk.use_backend("cpu"):
+        assert pyg_maxk.ops._runs_cpu_linear(h.values, weight.float(), None)
+        assert not pyg_maxk.ops._runs_cpu_linear(h.values, weight, None)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert not pyg_maxk.ops._runs_cpu_linear(h.values, weight.float(), None)
+    with pyg_maxk.use_backend("torch"):
+        assert not pyg_maxk.ops._runs_cpu_linear(h.values, weight.float(), None)
+
+
 @pytest.mark.parametrize("form", [f for f in FORMS if f != "csc"])  # stock GCN rejects CSC
 @pytest.mark.parametrize("kind", ["sage", "gcn", "gin"])
 def test_layer_contract(kind, form):

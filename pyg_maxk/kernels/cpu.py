@@ -9,18 +9,25 @@ row, no atomics.
   gradient row): ``grad_values[c, j] += a_e * grad_out[r, indices[c, j]]``.
 * MaxK selection, one thread per block of rows: the columns of the ``k``
   largest entries of each row, in column order (see :func:`select_rows`).
+* The root-term linear map of a CBSR input, ``out = h @ W^T + b``, and its
+  gradients, in ``N * k * out`` multiply-adds rather than the ``N * dim *
+  out`` of a dense GEMM (see :func:`linear_rows`).
 
 They compute in the features' dtype (float32 or float64).
 """
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 #: Rows per parallel task of :func:`select_rows` (its scratch rows are
 #: allocated once per task).
 SELECT_BLOCK_ROWS = 64
 #: Most bisection steps of :func:`select_rows` before its quickselect.
 SELECT_BISECTIONS = 16
+#: Reassociation (so that dot products vectorise) and fused multiply-adds,
+#: but IEEE NaN/infinity semantics.
+_LINEAR_FASTMATH = {"reassoc", "contract"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -166,17 +173,61 @@ def _kernels():
                 for j in range(k):
                     indices[r, j] = cols[j]
 
-    return spgemm_rows, sspmm_rows, select_rows
+    @njit(parallel=True, fastmath=_LINEAR_FASTMATH, cache=True)
+    def linear_rows(values, indices, weight_t, bias, has_bias, out):
+        m = out.shape[1]
+        for i in prange(values.shape[0]):
+            row = out[i]
+            for o in range(m):
+                row[o] = bias[o] if has_bias else 0
+            for s in range(values.shape[1]):
+                v = values[i, s]
+                w = weight_t[indices[i, s]]
+                for o in range(m):
+                    row[o] += v * w[o]
+
+    @njit(parallel=True, fastmath=_LINEAR_FASTMATH, cache=True)
+    def linear_input_grad_rows(grad_out, indices, weight_t, grad_values):
+        m = grad_out.shape[1]
+        for i in prange(indices.shape[0]):
+            g = grad_out[i]
+            for s in range(indices.shape[1]):
+                w = weight_t[indices[i, s]]
+                acc = g[0] * w[0]
+                for o in range(1, m):
+                    acc += g[o] * w[o]
+                grad_values[i, s] = acc
+
+    @njit(parallel=True, fastmath=_LINEAR_FASTMATH, cache=True)
+    def linear_weight_grad_parts(grad_out, values, indices, parts):
+        n, k = values.shape
+        m = grad_out.shape[1]
+        chunk = (n + parts.shape[0] - 1) // parts.shape[0]
+        for p in prange(parts.shape[0]):
+            part = parts[p]
+            part[:] = 0
+            for i in range(p * chunk, min(n, (p + 1) * chunk)):
+                g = grad_out[i]
+                for s in range(k):
+                    v = values[i, s]
+                    acc = part[indices[i, s]]
+                    for o in range(m):
+                        acc[o] += v * g[o]
+
+    return SimpleNamespace(spgemm_rows=spgemm_rows, sspmm_rows=sspmm_rows,
+                           select_rows=select_rows, linear_rows=linear_rows,
+                           linear_input_grad_rows=linear_input_grad_rows,
+                           linear_weight_grad_parts=linear_weight_grad_parts)
 
 
 def spgemm_rows(*args) -> None:
     """``out[r] += sum over edges (c -> r) of a_e * row c of the CBSR``."""
-    _kernels()[0](*args)
+    _kernels().spgemm_rows(*args)
 
 
 def sspmm_rows(*args) -> None:
     """``grad_values[c, j] += sum over edges (c -> r) of a_e * grad_out[r, indices[c, j]]``."""
-    _kernels()[1](*args)
+    _kernels().sspmm_rows(*args)
 
 
 def select_rows(x, k: int, indices) -> None:
@@ -194,4 +245,34 @@ def select_rows(x, k: int, indices) -> None:
     2-core machine it took 2.3-3.0 ms against 5.6-6.7 ms for ``torch.topk``
     (2,708 x 256, k=32) and 180-244 against 494-588 ms (232,965 x 256).
     """
-    _kernels()[2](x, k, indices)
+    _kernels().select_rows(x, k, indices)
+
+
+def linear_rows(values, indices, weight_t, bias, has_bias: bool, out) -> None:
+    """``out[N, out] = h @ W^T (+ bias)`` for the CBSR ``h = (values,
+    indices)`` and ``weight_t = W^T`` (``[dim, out]``, C-contiguous): per row,
+    ``k`` scaled rows of ``weight_t`` added up (``bias`` is read only when
+    ``has_bias``). On this repository's 2-core machine, 2,708 rows, dim 256,
+    k=32, 256 outputs: 0.8-1.1 ms against 1.4-1.5 ms for MKL's dense
+    ``addmm`` plus 0.2 ms to densify its input; at 20,000 rows 5.6 against
+    10.2-11.0 + 1.3-1.4 ms."""
+    _kernels().linear_rows(values, indices, weight_t, bias, has_bias, out)
+
+
+def linear_input_grad_rows(grad_out, indices, weight_t, grad_values) -> None:
+    """``grad_values[i, s] = grad_out[i] . weight_t[indices[i, s]]``: the
+    gradient of :func:`linear_rows` w.r.t. the CBSR values, ``(grad_out @ W)``
+    sampled at the CBSR pattern without computing the rest (same machine and
+    shape: 0.7-1.0 ms against 1.3-1.5 ms for ``mm`` + ``gather``; 20,000 rows
+    5.2-5.3 against 9.7-10.7 ms)."""
+    _kernels().linear_input_grad_rows(grad_out, indices, weight_t, grad_values)
+
+
+def linear_weight_grad_parts(grad_out, values, indices, parts) -> None:
+    """``parts[p] = (grad_out^T @ h)^T`` over the ``p``-th of
+    ``parts.shape[0]`` equal runs of rows (``parts[p]`` is ``[dim, out]``;
+    their sum is ``W``'s gradient, transposed): one writer per part, no
+    atomics (same machine and shape, parts summed: 1.2-1.3 ms against
+    1.3-1.6 ms for the dense ``mm`` plus 0.2 ms to densify; 20,000 rows 7.2-7.4
+    against 9.8-10.4 + 1.3 ms)."""
+    _kernels().linear_weight_grad_parts(grad_out, values, indices, parts)

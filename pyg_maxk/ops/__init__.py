@@ -90,14 +90,18 @@ def maxk(x: Tensor, k: int, *, dropout: float = 0.0, training: bool = False) -> 
     return out
 
 
-def _runs_numba(t: Tensor) -> bool:
-    """Whether the active backend is ``"numba"`` for ``t``; a backend forced
+def _runs(t: Tensor, backend: str) -> bool:
+    """Whether the active backend is ``backend`` for ``t``; a backend forced
     where it cannot run counts as not (the callers have a torch path with the
     same result)."""
     try:
-        return resolve_backend(t) == "numba"
+        return resolve_backend(t) == backend
     except (TypeError, RuntimeError):
         return False
+
+
+def _runs_numba(t: Tensor) -> bool:
+    return _runs(t, "numba")
 
 
 def to_dense(h: CBSR) -> Tensor:
@@ -159,16 +163,31 @@ def _runs_linear_kernel(values: Tensor, indices: Tensor, dim: int, weight: Tenso
     return prefers_linear(values.size(0), dim, indices.size(1))
 
 
+def _runs_cpu_linear(values: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    """Whether :func:`cbsr_linear` runs the ``"cpu"`` backend's CBSR linear
+    kernels, forward and backward: one float type throughout and no autocast
+    (the kernels compute in the values' type)."""
+    if not _runs(values, "cpu") or torch.is_autocast_enabled("cpu"):
+        return False
+    return all(t is None or t.dtype == values.dtype for t in (weight, bias))
+
+
 class _CBSRLinear(torch.autograd.Function):
     """``F.linear(h.to_dense(), weight, bias)`` that keeps only ``h``'s CBSR
     for the backward and rebuilds the dense matrix there, rather than holding
     an ``[N, dim]`` dense input between forward and backward. The ``"numba"``
-    backend's forward never builds it (:mod:`pyg_maxk.kernels.linear`)."""
+    backend's forward never builds it (:mod:`pyg_maxk.kernels.linear`); the
+    ``"cpu"`` backend's forward and backward never do
+    (:func:`pyg_maxk.kernels.cpu.linear_rows`)."""
 
     @staticmethod
     def forward(ctx, values: Tensor, indices: Tensor, dim: int, weight: Tensor, bias):
         ctx.save_for_backward(values, indices, weight)
         ctx.dim = dim
+        ctx.cpu_kernels = _runs_cpu_linear(values, weight, bias)
+        if ctx.cpu_kernels:
+            from .cpu_ops import cbsr_linear as cpu_cbsr_linear
+            return cpu_cbsr_linear(values, indices, weight, bias)
         if _runs_linear_kernel(values, indices, dim, weight, bias):
             from .numba_ops import cbsr_linear as numba_cbsr_linear
             return numba_cbsr_linear(values, indices, dim, weight, bias)
@@ -178,6 +197,13 @@ class _CBSRLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         values, indices, weight = ctx.saved_tensors
+        if ctx.cpu_kernels and grad_out.dtype == values.dtype:
+            from .cpu_ops import cbsr_linear_backward
+            grad_values, grad_weight = cbsr_linear_backward(
+                grad_out, values, indices, weight, ctx.dim, ctx.needs_input_grad[0],
+                ctx.needs_input_grad[3])
+            grad_bias = grad_out.sum(0) if ctx.needs_input_grad[4] else None
+            return grad_values, None, None, grad_weight, grad_bias
         h = CBSR(as_dtype(values, grad_out.dtype), indices, ctx.dim)
         grad_values = grad_weight = grad_bias = None
         w = as_dtype(weight, grad_out.dtype)  # autocast's forward may have run in half

@@ -59,3 +59,48 @@ class _SpGEMM(torch.autograd.Function):
 def spgemm(graph: CSRGraph, h: CBSR) -> Tensor:
     """``graph @ h`` as ``[num_dst, dim]``, differentiable w.r.t. ``h.values``."""
     return _SpGEMM.apply(h.values, h.indices.contiguous(), graph, h.dim)
+
+
+#: Most ``[dim, out]`` partial weight gradients summed per backward (one per
+#: thread at most): bounds their memory on many-core machines.
+MAX_WEIGHT_GRAD_PARTS = 16
+
+
+def cbsr_linear(values: Tensor, indices: Tensor, weight: Tensor,
+                bias: Optional[Tensor]) -> Tensor:
+    """``dense(h) @ weight.T + bias`` as ``[N, out]`` for the CBSR ``h =
+    (values, indices)``, without building ``dense(h)``; not differentiable
+    (all of one float dtype)."""
+    n = values.size(0)
+    out = values.new_empty(n, weight.size(0))                      # [N, out]
+    if n > 0:
+        weight_t = weight.detach().t().contiguous()                # [dim, out]
+        kernels.linear_rows(values.detach().contiguous().numpy(), indices.contiguous().numpy(),
+                            weight_t.numpy(),
+                            (bias if bias is not None else weight_t[0]).detach().numpy(),
+                            bias is not None, out.numpy())
+    return out
+
+
+def cbsr_linear_backward(grad_out: Tensor, values: Tensor, indices: Tensor, weight: Tensor,
+                         dim: int, need_values: bool, need_weight: bool):
+    """``(grad_values [N, k], grad_weight [out, dim])`` of :func:`cbsr_linear`
+    (either None when not needed): ``(grad_out @ W)`` sampled at the CBSR
+    pattern, and ``grad_out^T @ dense(h)`` scattered from the CBSR rows."""
+    n = values.size(0)
+    grad_out = grad_out.detach().contiguous()
+    grad_values = grad_weight = None
+    indices = indices.contiguous().numpy()
+    if need_values:
+        grad_values = values.new_zeros(values.shape)               # [N, k]
+        if n > 0 and weight.size(0) > 0:
+            weight_t = weight.detach().t().contiguous()            # [dim, out]
+            kernels.linear_input_grad_rows(grad_out.numpy(), indices, weight_t.numpy(),
+                                           grad_values.numpy())
+    if need_weight:
+        num_parts = max(1, min(torch.get_num_threads(), MAX_WEIGHT_GRAD_PARTS, n))
+        parts = values.new_empty(num_parts, dim, weight.size(0))   # [parts, dim, out]
+        kernels.linear_weight_grad_parts(grad_out.numpy(), values.detach().contiguous().numpy(),
+                                         indices, parts.numpy())
+        grad_weight = parts.sum(0).t().contiguous()                # [out, dim]
+    return grad_values, grad_weight
