@@ -1,6 +1,7 @@
-"""The ``"cpu"`` backend: MaxK selection and CBSR aggregation with the Numba
-CPU kernels of :mod:`pyg_maxk.kernels.cpu`, differentiable w.r.t. the
-features and the CBSR values.
+"""The ``"cpu"`` backend: MaxK selection, CBSR aggregation and the linear map
+of CBSR rows with the Numba CPU kernels of :mod:`pyg_maxk.kernels.cpu`,
+differentiable w.r.t. the features and the CBSR values (the linear map's
+autograd lives in :class:`pyg_maxk.ops._CBSRLinear`).
 """
 from __future__ import annotations
 
