@@ -21,7 +21,6 @@ import torch
 from torch import Tensor
 
 from ..cbsr import CBSR, index_dtype_for
-from . import as_dtype
 from ..graph import CSRGraph, WorkSchedule
 from ..kernels._warp import WARP
 from ..kernels.linear import (LINEAR_WARPS, column_tiles, linear_blocks, linear_fits,
@@ -29,6 +28,7 @@ from ..kernels.linear import (LINEAR_WARPS, column_tiles, linear_blocks, linear_
 from ..kernels.maxk_select import ROWS_PER_BLOCK, densify_fits, densify_kernel, select_kernel
 from ..kernels.spgemm import (fits_shared_memory, reads_pairs, spgemm_kernel,
                               spgemm_vector_width, sspmm_kernel, sspmm_vector_width)
+from . import as_dtype
 from ._launch import device_index, launcher
 
 #: Threads of one SpGEMM/SSpMM block. The kernels work per warp; under the
