@@ -166,8 +166,9 @@ def _runs_linear_kernel(values: Tensor, indices: Tensor, dim: int, weight: Tenso
 def _runs_cpu_linear(values: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     """Whether :func:`cbsr_linear` runs the ``"cpu"`` backend's CBSR linear
     kernels, forward and backward: one float type throughout and no autocast
-    (the kernels compute in the values' type)."""
-    if not _runs(values, "cpu") or torch.is_autocast_enabled("cpu"):
+    (the kernels compute in the values' type). CUDA tensors are turned away
+    before the backend is resolved: the GPU paths resolve it themselves."""
+    if values.is_cuda or not _runs(values, "cpu") or torch.is_autocast_enabled("cpu"):
         return False
     return all(t is None or t.dtype == values.dtype for t in (weight, bias))
 
