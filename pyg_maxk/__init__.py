@@ -3,14 +3,15 @@
 MaxK keeps the ``k`` largest features of every node; the result is stored as
 CBSR and aggregated by a sparse-sparse product (Numba CUDA kernels on GPUs).
 """
-from .backend import get_backend, use_backend
+from .dispatch import BackendError, get_backend, use_backend
 from .cbsr import CBSR, index_dtype_for
 from .graph import CSRGraph, clear_graph_cache
 from .ops import aggregate, maxk
+from .transforms import ToCSRGraph
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CBSR", "CSRGraph", "aggregate", "clear_graph_cache", "get_backend",
-    "index_dtype_for", "maxk", "use_backend", "__version__",
+    "BackendError", "CBSR", "CSRGraph", "aggregate", "clear_graph_cache", "get_backend",
+    "ToCSRGraph", "index_dtype_for", "maxk", "use_backend", "__version__",
 ]

@@ -89,7 +89,7 @@ class CBSR:
 
     def to_dense(self) -> Tensor:
         """The dense ``[N, dim]`` matrix; differentiable w.r.t. ``values``
-        (on the active backend: see :func:`pyg_maxk.ops.to_dense`)."""
+        (see :func:`pyg_maxk.ops.to_dense`)."""
         from .ops import to_dense  # lazy: the ops import this module
         return to_dense(self)
 

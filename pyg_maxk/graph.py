@@ -22,13 +22,21 @@ import warnings
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Dict, Hashable, List, Optional, Tuple
+from typing import Any, Dict, Hashable, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 NORMALIZATIONS = ("sum", "mean", "gcn")
 INT32_MAX = 2**31 - 1
+#: Target (edge, slot) pairs per kernel work item (one warp's share): a row
+#: with more edges than ``PAIRS_PER_ITEM // k`` is cut into several items.
+PAIRS_PER_ITEM = 8192
+
+
+def max_edges_per_item(k: int) -> int:
+    """Edges of one work item of the SpGEMM/SSpMM at ``k`` entries per row."""
+    return max(1, PAIRS_PER_ITEM // int(k))
 
 
 def _is_sparse_tensor(adj: Any) -> bool:
@@ -70,6 +78,29 @@ class WorkSchedule:
     @property
     def num_items(self) -> int:
         return self.row.numel()
+
+
+class GraphOperands(NamedTuple):
+    """Every tensor the aggregation ops read, for one ``k``: what the custom
+    ops take as their graph arguments (so that ``torch.compile`` sees plain
+    tensors), built once per graph and ``k`` bucket by
+    :meth:`CSRGraph.operands`.
+
+    ``colptr``, ``row_t`` and ``weight_t`` (the graph grouped by source: the
+    CPU kernels' backward) exist on CPU graphs only.
+    """
+    rowptr: Tensor                # [num_dst + 1]
+    col: Tensor                   # [E] int32 (int64 beyond int32's range)
+    weight: Optional[Tensor]      # [E] edge values, or None for ones
+    row_scale: Optional[Tensor]   # [num_dst]: every edge value of a row, or None
+    item_row: Tensor              # the work schedule (WorkSchedule)
+    item_start: Tensor
+    item_end: Tensor
+    item_split: Tensor
+    zeroed_rows: Tensor
+    colptr: Optional[Tensor]      # [num_src + 1]
+    row_t: Optional[Tensor]       # [E]
+    weight_t: Optional[Tensor]    # [E] or None
 
 
 class CSRGraph:
@@ -117,6 +148,7 @@ class CSRGraph:
         self._torch_csr: Dict[Tuple[torch.dtype, bool], Tensor] = {}
         self._schedules: Dict[int, WorkSchedule] = {}
         self._transposed: Optional[Tuple[Tensor, Tensor, Optional[Tensor]]] = None
+        self._operands: Dict[int, GraphOperands] = {}
 
     # ------------------------------------------------------------------ info
     @property
@@ -135,14 +167,24 @@ class CSRGraph:
         """Number of edges (multi-edges counted) into every target node."""
         return self.rowptr[1:] - self.rowptr[:-1]
 
-    def to(self, device: torch.device | str) -> "CSRGraph":
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "CSRGraph":
+        """The graph on ``device`` (``self`` when it is there already); the
+        work schedules of :meth:`prepare` are rebuilt there for the same ``k``.
+        ``Data.to(device)`` calls this for a graph stored on a ``Data``."""
         device = torch.device(device)
         if device == self.device:
             return self
-        weight = None if self.weight is None else self.weight.to(device)
-        row_scale = None if self.row_scale is None else self.row_scale.to(device)
-        return CSRGraph(self.rowptr.to(device), self.col.to(device), weight,
-                        self.size, self.normalization, row_scale)
+        def move(t):
+            return None if t is None else t.to(device, non_blocking=non_blocking)
+        graph = CSRGraph(move(self.rowptr), move(self.col), move(self.weight), self.size,
+                         self.normalization, move(self.row_scale))
+        graph.gcn_options = self.gcn_options
+        for max_edges in self._operands:
+            graph._build_operands(max_edges)
+        return graph
+
+    #: ``(improved, add_self_loops)`` of the ``gcn_norm`` a ``"gcn"`` graph holds.
+    gcn_options: Optional[Tuple[bool, bool]] = None
 
     def __repr__(self) -> str:
         return (f"CSRGraph(num_src={self.num_src}, num_dst={self.num_dst}, "
@@ -216,6 +258,45 @@ class CSRGraph:
             weight = None if self.weight is None else self.weight[order]
             self._transposed = (colptr, row_of_edge[order], weight)
         return self._transposed
+
+    def operands(self, k: int) -> GraphOperands:
+        """The tensors every aggregation op reads at ``k`` entries per row
+        (:class:`GraphOperands`), built on the first call per work-item size
+        and cached. Building them costs host syncs (the schedule's sizes
+        depend on the degrees): under ``torch.compile`` a graph must be
+        prepared (:meth:`prepare`, :class:`~pyg_maxk.transforms.ToCSRGraph`)
+        for the ``k`` of its layers, else the build breaks the graph."""
+        cached = self._operands.get(max_edges_per_item(k))
+        if cached is not None:
+            return cached
+        return _build_operands_eagerly(self, max_edges_per_item(k))
+
+    def is_prepared(self, k: int) -> bool:
+        """Whether the operands for ``k`` are built (:meth:`prepare`)."""
+        return max_edges_per_item(k) in self._operands
+
+    def prepare(self, *ks: int) -> "CSRGraph":
+        """Build the operands of every ``k`` in ``ks`` now (outside a compiled
+        region) and mark them as static inputs of compiled code (CUDA graphs
+        then read them in place instead of copying them into the graph's
+        memory on every replay; a graph with other tensors re-records);
+        returns ``self``."""
+        for k in ks:
+            for t in self.operands(k):
+                if t is not None:
+                    torch._dynamo.mark_static_address(t)
+        return self
+
+    def _build_operands(self, max_edges: int) -> GraphOperands:
+        schedule = self.schedule(max_edges)
+        colptr = row_t = weight_t = None
+        if self.device.type == "cpu":
+            colptr, row_t, weight_t = self.transposed()
+        operands = GraphOperands(self.rowptr, self.kernel_col(), self.weight, self.row_scale,
+                                 schedule.row, schedule.start, schedule.end, schedule.split,
+                                 schedule.zeroed_rows, colptr, row_t, weight_t)
+        self._operands[max_edges] = operands
+        return operands
 
     def kernel_col(self) -> Tensor:
         """``col`` as int32, the type the kernels read."""
@@ -335,9 +416,19 @@ class CSRGraph:
         graph = _build(adj, size, edge_weight, normalization,
                        use_sparse_tensor_values, gcn_improved,
                        gcn_add_self_loops, dtype)
+        if normalization == "gcn":
+            graph.gcn_options = (bool(gcn_improved), bool(gcn_add_self_loops))
         if cache:
             _CACHE.put(anchors, versions, params, graph)
         return graph
+
+
+@torch.compiler.disable
+def _build_operands_eagerly(graph: CSRGraph, max_edges: int) -> GraphOperands:
+    # The schedule's sizes depend on the degrees: data-dependent, so built
+    # outside any compiled graph (a graph break where the graph was not
+    # prepared for this k).
+    return graph._build_operands(max_edges)
 
 
 # ---------------------------------------------------------------- building

@@ -19,8 +19,10 @@ def _fresh_graph_cache():
     import pyg_maxk
 
     pyg_maxk.clear_graph_cache()
+    pyg_maxk.dispatch.clear_decisions()
     yield
     pyg_maxk.clear_graph_cache()
+    pyg_maxk.dispatch.clear_decisions()
 
 
 @pytest.fixture(autouse=True)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import pyg_maxk
-from pyg_maxk.backend import get_backend, resolve_backend
+from pyg_maxk.dispatch import get_backend, resolve_backend
 
 
 def test_context_manager_nests_and_restores():
@@ -38,12 +38,12 @@ def test_auto_uses_the_cpu_kernels_on_cpu():
 
 
 def test_forced_cpu_backend_rejects_what_it_cannot_take():
-    with pyg_maxk.use_backend("cpu"), pytest.raises(TypeError, match="float32/float64 CPU"):
+    with pyg_maxk.use_backend("cpu"), pytest.raises(pyg_maxk.BackendError, match="float32/float64 CPU"):
         resolve_backend(torch.zeros(1, dtype=torch.float16))
 
 
 def test_numba_rejects_float64():
-    with pyg_maxk.use_backend("numba"), pytest.raises(TypeError, match="float64"):
+    with pyg_maxk.use_backend("numba"), pytest.raises(pyg_maxk.BackendError, match="float64"):
         resolve_backend(torch.zeros(1, dtype=torch.float64))
 
 

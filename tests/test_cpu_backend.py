@@ -78,13 +78,14 @@ def test_cbsr_linear_cpu_kernels_only_for_one_float_type():
     # Mixed types (or autocast) take the dense path, which casts as F.linear does.
     h = random_cbsr(5, 16, 3, torch.float32)
     weight = torch.randn(4, 16, dtype=torch.float64)
+    plan = pyg_maxk.ops.linear_backend
     with pyg_maxk.use_backend("cpu"):
-        assert pyg_maxk.ops._runs_cpu_linear(h.values, weight.float(), None)
-        assert not pyg_maxk.ops._runs_cpu_linear(h.values, weight, None)
+        assert plan(h, weight.float(), None) == "cpu"
+        assert plan(h, weight, None) == "dense"
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert not pyg_maxk.ops._runs_cpu_linear(h.values, weight.float(), None)
+            assert plan(h, weight.float(), None) == "dense"
     with pyg_maxk.use_backend("torch"):
-        assert not pyg_maxk.ops._runs_cpu_linear(h.values, weight.float(), None)
+        assert plan(h, weight.float(), None) == "torch"
 
 
 @pytest.mark.parametrize("form", [f for f in FORMS if f != "csc"])  # stock GCN rejects CSC

@@ -187,3 +187,78 @@ def test_autocast_bf16_training_step():
         out = model(x, ei)
     out.float().sum().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def _training_pair(kind, n=3000, k=32, seed=7):
+    """Two equal MaxK models, their data, and a prepared graph."""
+    from torch_geometric.data import Data
+    cls = {"sage": pyg_maxk.nn.MaxKGraphSAGE, "gcn": pyg_maxk.nn.MaxKGCN,
+           "gin": pyg_maxk.nn.MaxKGIN}[kind]
+    norm = {"sage": "mean", "gcn": "gcn", "gin": "sum"}[kind]
+    ei = random_edge_index(n, n, 40_000, seed=seed).cuda()
+    adj = pyg_maxk.ToCSRGraph(norm, k=k)(Data(edge_index=ei, num_nodes=n)).adj_t
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 64, generator=g).cuda()
+    y = torch.randint(0, 7, (n,), generator=g).cuda()
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(cls(64, 128, 2, 7, k=k).cuda())
+    return models, x, adj, y
+
+
+def _step(model, opt, x, adj, y):
+    opt.zero_grad(set_to_none=True)
+    loss = torch.nn.functional.cross_entropy(model(x, adj), y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def _assert_models_close(a, b, tol=1e-4):
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("kind", ["sage", "gcn", "gin"])
+def test_cuda_graph_capture_of_a_whole_training_step(kind):
+    (graphed, eager), x, adj, y = _training_pair(kind)
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-3, capturable=True) for m in (graphed, eager)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: compiles and loads every kernel
+        for _ in range(3):
+            _step(graphed, opts[0], x, adj, y)
+    torch.cuda.current_stream().wait_stream(side)
+    for _ in range(3):
+        _step(eager, opts[1], x, adj, y)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = _step(graphed, opts[0], x, adj, y)
+    for _ in range(5):
+        graph.replay()
+        loss = _step(eager, opts[1], x, adj, y)
+        # The backward's float atomics add in no fixed order: rounding apart.
+        torch.testing.assert_close(static_loss, loss, rtol=1e-4, atol=1e-5)
+    _assert_models_close(graphed, eager)
+
+
+@pytest.mark.parametrize("kind", ["sage", "gcn", "gin"])
+def test_reduce_overhead_compile_trains_as_eager(kind):
+    torch._dynamo.reset()
+    (compiled, eager), x, adj, y = _training_pair(kind)
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-3) for m in (compiled, eager)]
+    step_model = torch.compile(compiled, mode="reduce-overhead", fullgraph=True)
+    for _ in range(6):
+        torch.compiler.cudagraph_mark_step_begin()
+        loss = _step(step_model, opts[0], x, adj, y)
+        ref = _step(eager, opts[1], x, adj, y)
+        torch.testing.assert_close(loss, ref, rtol=1e-4, atol=1e-5)
+    _assert_models_close(compiled, eager)
+    # Another prepared graph of the same shape (static inputs at other
+    # addresses): the CUDA graphs re-record, never replay the first graph's.
+    (_, _), _, other, _ = _training_pair(kind, seed=8)
+    torch.compiler.cudagraph_mark_step_begin()
+    out = step_model(x, other).clone()
+    torch.testing.assert_close(out, eager(x, other), rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(out, eager(x, adj), rtol=1e-3, atol=1e-3)

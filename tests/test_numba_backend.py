@@ -38,9 +38,9 @@ def random_cbsr(num_rows, dim, k, seed=0, dtype=torch.float32):
 
 
 def kernel_maxk(x: torch.Tensor, k: int) -> CBSR:
-    """MaxK through the select kernel itself (``pyg_maxk.maxk`` hands large
-    ``k`` to torch.topk, which is faster there)."""
-    values, indices = numba_ops.maxk_select(x, k)
+    """MaxK through the select kernel itself (its custom op, differentiable)."""
+    from pyg_maxk.ops import _library
+    values, indices = _library.maxk_select(x, k, "numba")
     return CBSR(values, indices, x.size(1))
 
 
@@ -195,8 +195,7 @@ def check_cbsr_linear(h: CBSR, out_features: int, bias: bool, seed: int = 0,
     values = h.values.clone().requires_grad_()
     hv = h.with_values(values)
     with pyg_maxk.use_backend("numba"):
-        assert pyg_maxk.ops._runs_linear_kernel(values, h.indices, h.dim, weight,
-                                                b) == expect_kernel
+        assert (pyg_maxk.ops.linear_backend(hv, weight, b) == "numba") == expect_kernel
         poison_allocator()
         out = pyg_maxk.ops.cbsr_linear(hv, weight, b)
     dense = dense_reference(h).double()
@@ -214,8 +213,11 @@ def check_cbsr_linear(h: CBSR, out_features: int, bias: bool, seed: int = 0,
 def linear_kernel_everywhere(monkeypatch):
     """The CBSR linear kernel wherever it fits, also where densify + GEMM is
     faster (the small shapes of these tests)."""
-    monkeypatch.setattr(numba_ops, "linear_pays", lambda dim, k: True)
-    monkeypatch.setattr(numba_ops, "LINEAR_MIN_ROWS", 0)
+    monkeypatch.setattr(pyg_maxk.dispatch, "_linear_pays", lambda dim, k: True)
+    monkeypatch.setattr(pyg_maxk.dispatch, "LINEAR_MIN_ROWS", 0)
+    pyg_maxk.dispatch.clear_decisions()
+    yield
+    pyg_maxk.dispatch.clear_decisions()
 
 
 @pytest.mark.parametrize("rows,dim,k,out_features,bias", [
@@ -235,7 +237,8 @@ def test_cbsr_linear_kernel_takes_float32_within_shared_memory_only(linear_kerne
     assert not numba_ops.supports_linear(400, 3)  # a W^T tile of 50 KiB: the dense path
     check_cbsr_linear(random_cbsr(4, 400, 3), 5, True, expect_kernel=False)
     h = random_cbsr(6, 30, 4, dtype=torch.float64)
-    check_cbsr_linear(h, 5, True, expect_kernel=False)  # float64: the dense path
+    with pytest.raises(pyg_maxk.BackendError, match="float64"):  # the backend takes none
+        check_cbsr_linear(h, 5, True, expect_kernel=False)
 
 
 def test_cbsr_linear_kernel_only_where_it_beats_the_dense_path(monkeypatch):
@@ -244,10 +247,14 @@ def test_cbsr_linear_kernel_only_where_it_beats_the_dense_path(monkeypatch):
     from pyg_maxk.kernels.linear import linear_pays
     assert linear_pays(64, 16) and linear_pays(128, 16) and linear_pays(256, 32)
     assert not (linear_pays(64, 32) or linear_pays(128, 32) or linear_pays(256, 64))
-    rows = numba_ops.LINEAR_MIN_ROWS
-    assert numba_ops.prefers_linear(rows, 256, 32)
-    assert not numba_ops.prefers_linear(rows - 1, 256, 32)
-    monkeypatch.setattr(numba_ops, "LINEAR_MIN_ROWS", 0)
+    rows = pyg_maxk.dispatch.LINEAR_MIN_ROWS
+    for num_rows, expected in ((rows, "numba"), (rows - 1, "torch")):
+        h = CBSR(torch.zeros(num_rows, 32, device=DEVICE),
+                 torch.zeros(num_rows, 32, dtype=torch.uint8, device=DEVICE), 256)
+        with pyg_maxk.use_backend("numba"):
+            assert pyg_maxk.ops.linear_backend(h, torch.zeros(8, 256, device=DEVICE)) == expected
+    monkeypatch.setattr(pyg_maxk.dispatch, "LINEAR_MIN_ROWS", 0)
+    pyg_maxk.dispatch.clear_decisions()
     check_cbsr_linear(random_cbsr(6, 40, 20), 3, True, expect_kernel=False)
     check_cbsr_linear(random_cbsr(6, 40, 16), 3, True, expect_kernel=True)
 
@@ -264,12 +271,20 @@ def test_features_beyond_32_bit_offsets_are_a_clear_error():
             numba_ops.check_cbsr_offsets(rows, k, large)
 
 
-def test_too_wide_for_shared_memory_falls_back_to_torch():
+def test_too_wide_for_shared_memory_raises_when_forced_and_falls_back_under_auto():
     from pyg_maxk.kernels.spgemm import SHARED_BYTES
     dim = SHARED_BYTES // 4 + 1
     assert not numba_ops.supports(3, dim)
     ei = random_edge_index(6, 5, 12, seed=4).to(DEVICE)
-    check_kernels(CSRGraph.from_adj(ei, (6, 5)), dim=dim, k=3)
+    graph = CSRGraph.from_adj(ei, (6, 5))
+    h = random_cbsr(6, dim, 3)
+    with pyg_maxk.use_backend("numba"), pytest.raises(pyg_maxk.BackendError,
+                                                      match="shared memory.*'auto'"):
+        pyg_maxk.aggregate(graph, h)
+    if ON_GPU:
+        assert pyg_maxk.dispatch.choose("aggregate", h.values, dim=dim, k=3) == "torch"
+    torch.testing.assert_close(pyg_maxk.aggregate(graph, h).double(),
+                               reference_spgemm(graph, h), rtol=1e-5, atol=1e-5)
 
 
 def test_bipartite_empty_and_wide():
@@ -335,14 +350,15 @@ def test_to_dense_kernel_writes_whole_rows(num_rows, dim, k):
     torch.testing.assert_close(values.grad, g.gather(1, h.long_indices()), rtol=0, atol=0)
 
 
-def test_to_dense_too_wide_for_the_kernel_scatters():
+def test_to_dense_too_wide_for_the_kernel_raises_when_forced():
     from pyg_maxk.kernels.maxk_select import DENSIFY_SHARED_BYTES, densify_fits
     dim = DENSIFY_SHARED_BYTES // 4 + 1
     assert not densify_fits(dim, 1) and not numba_ops.supports_to_dense(dim)
     h = random_cbsr(3, dim, 5)
-    with pyg_maxk.use_backend("numba"):
-        dense = h.to_dense()
-    torch.testing.assert_close(dense, dense_reference(h), rtol=0, atol=0)
+    with pyg_maxk.use_backend("numba"), pytest.raises(pyg_maxk.BackendError,
+                                                      match="densify kernel"):
+        h.to_dense()
+    torch.testing.assert_close(h.to_dense(), dense_reference(h), rtol=0, atol=0)  # auto
 
 
 @pytest.mark.parametrize("kind", ["sage", "gcn", "gin"])
@@ -365,66 +381,13 @@ def test_maxk_uses_the_select_kernel_up_to_its_measured_width(monkeypatch):
     calls, original = [], numba_ops.maxk_select
     monkeypatch.setattr(numba_ops, "maxk_select", lambda x, k: calls.append(k) or original(x, k))
     x = torch.randn(5, 256).to(DEVICE)
-    wide = torch.randn(3, pyg_maxk.ops.MAX_SELECT_DIM + 1).to(DEVICE)
+    wide = torch.randn(3, pyg_maxk.dispatch.MAX_SELECT_DIM + 1).to(DEVICE)
     with pyg_maxk.use_backend("numba"):
-        small, large, topk = pyg_maxk.maxk(x, 8), pyg_maxk.maxk(x, 64), pyg_maxk.maxk(wide, 4)
+        small, large = pyg_maxk.maxk(x, 8), pyg_maxk.maxk(x, 64)
+        with pytest.raises(pyg_maxk.BackendError, match="rows up to 1024"):
+            pyg_maxk.maxk(wide, 4)
     assert calls == [8, 64]
     assert_same_selection(small, x, 8, order="bank")
     assert_same_selection(large, x, 64, order="bank")
-    torch.testing.assert_close(topk.values, wide.topk(4, dim=1).values)
-
-
-def test_custom_ops_pass_opcheck():
-    ei = random_edge_index(10, 10, 30, seed=5).to(DEVICE)
-    graph = CSRGraph.from_adj(ei, (10, 10), normalization="mean")
-    h = random_cbsr(10, 16, 3)
-    s = graph.schedule(numba_ops.max_edges_per_item(3))
-    values = h.values.clone().requires_grad_()
-    args = (s.row, s.start, s.end, s.split, s.zeroed_rows, graph.kernel_col(),
-            *numba_ops.kernel_weights(graph), values, h.indices, 10, 16)
-    torch.library.opcheck(numba_ops.spgemm_op.op, args,
-                          test_utils=("test_schema", "test_autograd_registration",
-                                      "test_faketensor"))
-    x = torch.randn(6, 16, device=DEVICE, requires_grad=True)
-    torch.library.opcheck(numba_ops.maxk_select_op.op, (x, 4),
-                          test_utils=("test_schema", "test_autograd_registration",
-                                      "test_faketensor"))
-    torch.library.opcheck(numba_ops.cbsr_to_dense_op.op, (values, h.indices, 16),
-                          test_utils=("test_schema", "test_autograd_registration",
-                                      "test_faketensor"))
-    torch.library.opcheck(numba_ops.cbsr_linear_op.op,
-                          (h.values, h.indices, 16, torch.randn(5, 16, device=DEVICE), None),
-                          test_utils=("test_schema", "test_faketensor"))
-    grad_out = torch.randn(10, 16, device=DEVICE)
-    torch.library.opcheck(numba_ops.sspmm_op.op,
-                          (s.row, s.start, s.end, graph.kernel_col(),
-                           *numba_ops.kernel_weights(graph), h.indices, grad_out, 10),
-                          test_utils=("test_schema", "test_faketensor"))
-
-
-def test_eager_calls_match_the_custom_ops():
-    # Eager mode skips the torch.library dispatcher (an autograd.Function
-    # around the same code); torch.compile sees the custom op. Same results.
-    ei = random_edge_index(12, 12, 40, seed=6).to(DEVICE)
-    graph = CSRGraph.from_adj(ei, (12, 12), normalization="mean")
-    s = graph.schedule(numba_ops.max_edges_per_item(4))
-    x = torch.randn(12, 20, device=DEVICE)
-    grad = torch.randn(12, 20, device=DEVICE)
-    results = []
-    for path in ("eager", "op"):
-        def call(kernel_op, *args):
-            return kernel_op(*args) if path == "eager" else kernel_op.op(*args)
-
-        xs = x.clone().requires_grad_()
-        values, indices = call(numba_ops.maxk_select_op, xs, 4)
-        out = call(numba_ops.spgemm_op, s.row, s.start, s.end, s.split, s.zeroed_rows,
-                   graph.kernel_col(),
-                   *numba_ops.kernel_weights(graph), values, indices, 12, 20)
-        dense = call(numba_ops.cbsr_to_dense_op, values, indices, 20)
-        (out * grad).sum().add((dense * grad).sum()).backward()
-        results.append(((values, indices, out, dense), xs.grad))
-    (eager, eager_grad), (op, op_grad) = results
-    for a, b in zip(eager, op):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-    # The backward's atomics add in no fixed order: equal up to rounding.
-    torch.testing.assert_close(eager_grad, op_grad)
+    if ON_GPU:  # auto: torch.topk beyond the kernel's width
+        torch.testing.assert_close(pyg_maxk.maxk(wide, 4).values, wide.topk(4, dim=1).values)

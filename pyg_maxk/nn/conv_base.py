@@ -24,6 +24,32 @@ def _device(x: Features) -> torch.device:
     return x.device
 
 
+def _kept(x: Features, k: int) -> Optional[int]:
+    """The ``k`` of the CBSR that the aggregation of ``x`` reads (None when
+    MaxK keeps every column: a dense aggregation then)."""
+    if isinstance(x, CBSR):
+        return None if x.is_full else x.k
+    return k if k < x.size(1) else None
+
+
+@torch.compiler.disable
+def _cached_graph(adj: Any, sizes: Tuple[int, int], k: Optional[int], **kwargs) -> CSRGraph:
+    # Cache lookups key on object identity and version counters, and a new
+    # graph's build has data-dependent sizes: both run outside any compiled
+    # graph. The graph's tensors then enter the compiled code as inputs, so a
+    # new or edited adjacency is never replayed stale.
+    graph = CSRGraph.from_adj(adj, sizes, **kwargs)
+    if k is not None:
+        graph.operands(k)  # built here, not in the compiled graph
+    return graph
+
+
+@torch.compiler.disable
+def _prepare(graph: CSRGraph, k: int) -> CSRGraph:
+    # A graph not prepared for this k: its schedule has data-dependent sizes.
+    return graph.prepare(k)
+
+
 def _adj_device(adj: Any) -> torch.device:
     if _is_sparse_tensor(adj):
         return adj.device()
@@ -126,10 +152,24 @@ class MaxKConv(MessagePassing):
             sizes[1] = sizes[0]
         return int(sizes[0]), int(sizes[1])
 
-    def graph_for(self, adj: Any, x_src: Features, x_dst: Optional[Features],
-                  size=None, *, normalization: str, edge_weight: Optional[Tensor] = None,
-                  **options) -> CSRGraph:
-        """The cached :class:`CSRGraph` of ``adj`` for this layer."""
+    def graph_options(self) -> dict:
+        """How this conv's graph is built: keyword arguments of
+        :meth:`CSRGraph.from_adj` (``normalization`` and its options)."""
+        raise NotImplementedError
+
+    def graph_for(self, adj: Any, x_src: Features, x_dst: Optional[Features] = None,
+                  size=None, *, edge_weight: Optional[Tensor] = None) -> CSRGraph:
+        """The :class:`CSRGraph` of ``adj`` for this layer, with its operands
+        for this layer's ``k`` built.
+
+        A :class:`CSRGraph` (prepared outside the model, e.g. by
+        :class:`~pyg_maxk.transforms.ToCSRGraph`) is checked and used as is:
+        under ``torch.compile`` that path traces with no graph break. Any
+        other adjacency is looked up in (or built into) the graph cache
+        outside the compiled graph: one graph break per conv call.
+        """
+        options = self.graph_options()
+        normalization = options.pop("normalization")
         sizes = self.resolve_size(adj, x_src, x_dst, size)
         device = _device(x_src)
         if _adj_device(adj) != device:
@@ -137,16 +177,40 @@ class MaxKConv(MessagePassing):
                 f"The features are on {device} but the adjacency is on "
                 f"{_adj_device(adj)}; move both to the same device")
         if isinstance(adj, CSRGraph):
-            if adj.normalization != normalization:
+            self._check_prepared(adj, normalization, edge_weight, options)
+            k = _kept(x_src, self.k)
+            return adj if k is None or adj.is_prepared(k) else _prepare(adj, k)
+        dtype = torch.float64 if x_src.dtype == torch.float64 else torch.float32
+        return _cached_graph(adj, sizes, _kept(x_src, self.k),
+                             edge_weight=edge_weight, normalization=normalization, dtype=dtype,
+                             **options)
+
+    def _check_prepared(self, graph: CSRGraph, normalization: str,
+                        edge_weight: Optional[Tensor], options: dict) -> None:
+        name = self.__class__.__name__
+        if graph.normalization != normalization:
+            raise ValueError(
+                f"{name} needs a graph with '{normalization}' normalisation, got one "
+                f"with '{graph.normalization}': build it with "
+                f"ToCSRGraph(normalization='{normalization}') or "
+                f"CSRGraph.from_adj(..., normalization='{normalization}')")
+        if edge_weight is not None:
+            raise ValueError(f"{name} got edge_weight with a CSRGraph: a prepared graph "
+                             f"holds its edge values; build it with them instead")
+        if normalization == "gcn":
+            wanted = (bool(options.get("gcn_improved", False)),
+                      bool(options.get("gcn_add_self_loops", True)))
+            if graph.gcn_options is not None and graph.gcn_options != wanted:
                 raise ValueError(
-                    f"{self.__class__.__name__} needs a graph with "
-                    f"'{normalization}' normalisation, got one with "
-                    f"'{adj.normalization}'")
-            return adj
-        values_dtype = x_src.dtype
-        dtype = torch.float64 if values_dtype == torch.float64 else torch.float32
-        return CSRGraph.from_adj(adj, sizes, edge_weight=edge_weight,
-                                 normalization=normalization, dtype=dtype, **options)
+                    f"{name} (improved={wanted[0]}, add_self_loops={wanted[1]}) got a "
+                    f"graph normalised with improved={graph.gcn_options[0]}, "
+                    f"add_self_loops={graph.gcn_options[1]}")
+
+    def __prepare_scriptable__(self):
+        raise RuntimeError(
+            f"{self.__class__.__name__} does not support TorchScript (torch.jit.script), "
+            f"which PyTorch has deprecated: compile the model with torch.compile(model) "
+            f"instead (see the pyg_maxk README, 'torch.compile and CUDA graphs').")
 
     def _extra_repr_k(self) -> str:
         return f"k={self.k}" + (f", dropout={self.dropout}" if self.dropout else "")

@@ -81,6 +81,10 @@ class MaxKGCNConv(MaxKConv):
         self.lin.reset_parameters()
         zeros(self.bias)
 
+    def graph_options(self) -> dict:
+        return {"normalization": "gcn" if self.normalize else "sum",
+                "gcn_improved": self.improved, "gcn_add_self_loops": self.add_self_loops}
+
     def forward(self, x: Features, edge_index: Adj, edge_weight: OptTensor = None) -> Tensor:
         if isinstance(x, (tuple, list)):
             raise ValueError(f"'{self.__class__.__name__}' received a tuple "
@@ -89,10 +93,7 @@ class MaxKGCNConv(MaxKConv):
                              f"Please try other layers such as 'MaxKSAGEConv' "
                              f"instead")
         x, _ = self.split_features(x)
-        graph = self.graph_for(edge_index, x, x, None,
-                               normalization="gcn" if self.normalize else "sum",
-                               edge_weight=edge_weight, gcn_improved=self.improved,
-                               gcn_add_self_loops=self.add_self_loops)
+        graph = self.graph_for(edge_index, x, x, None, edge_weight=edge_weight)
         agg = self.aggregate_sparse(graph, self.sparsify(x))  # [N, F_in]
         if is_uninitialized_parameter(self.lin.weight):  # lazy in_channels=-1
             out = self.lin(agg)

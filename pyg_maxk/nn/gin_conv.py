@@ -56,11 +56,13 @@ class MaxKGINConv(MaxKConv):
         reset(self.nn)
         self.eps.data.fill_(self.initial_eps)
 
+    def graph_options(self) -> dict:
+        return {"normalization": "sum", "use_sparse_tensor_values": False}
+
     def forward(self, x: Union[Features, PairFeatures], edge_index: Adj,
                 size: Size = None) -> Tensor:
         x_src, x_dst = self.split_features(x)
-        graph = self.graph_for(edge_index, x_src, x_dst, size, normalization="sum",
-                               use_sparse_tensor_values=False)
+        graph = self.graph_for(edge_index, x_src, x_dst, size)
         h_src = self.sparsify(x_src)
         out = self.aggregate_sparse(graph, h_src)  # [N_dst, F_in]
         if x_dst is not None:

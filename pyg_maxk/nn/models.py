@@ -96,6 +96,12 @@ class MaxKBasicGNN(torch.nn.Module):
         if trim and num_sampled_edges_per_hop is None:
             raise ValueError("num_sampled_edges_per_hop is needed with num_sampled_nodes_per_hop")
         x = self.lin_in(x)
+        if self.is_maxk and not trim:
+            # Every conv aggregates over the same graph: resolve it once (one
+            # graph break under torch.compile for a raw adjacency, none for a
+            # CSRGraph), not once per conv.
+            edge_index = self.convs[0].graph_for(edge_index, x, x, edge_weight=edge_weight)
+            edge_weight = None
         for layer, conv in enumerate(self.convs):
             if not self.is_maxk:  # the stock baseline: ReLU + dropout
                 x = F.dropout(x.relu(), p=self.dropout, training=self.training)

@@ -79,12 +79,14 @@ class MaxKSAGEConv(MaxKConv):
         if self.root_weight:
             self.lin_r.reset_parameters()
 
+    def graph_options(self) -> dict:
+        return {"normalization": "mean" if self.aggr == "mean" else "sum",
+                "use_sparse_tensor_values": False}
+
     def forward(self, x: Union[Features, PairFeatures], edge_index: Adj,
                 size: Size = None) -> Tensor:
         x_src, x_dst = self.split_features(x)
-        graph = self.graph_for(edge_index, x_src, x_dst, size,
-                               normalization="mean" if self.aggr == "mean" else "sum",
-                               use_sparse_tensor_values=False)
+        graph = self.graph_for(edge_index, x_src, x_dst, size)
         h_src = self.sparsify(x_src)
         agg = self.aggregate_sparse(graph, h_src)  # [N_dst, F_in]
 

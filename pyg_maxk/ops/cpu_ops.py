@@ -1,7 +1,8 @@
-"""The ``"cpu"`` backend: MaxK selection, CBSR aggregation and the linear map
-of CBSR rows with the Numba CPU kernels of :mod:`pyg_maxk.kernels.cpu`,
-differentiable w.r.t. the features and the CBSR values (the linear map's
-autograd lives in :class:`pyg_maxk.ops._CBSRLinear`).
+"""The ``"cpu"`` backend's implementations: MaxK selection, CBSR aggregation
+and the linear map of CBSR rows with the Numba CPU kernels of
+:mod:`pyg_maxk.kernels.cpu`. Plain functions, not differentiable:
+:mod:`pyg_maxk.ops._library` wraps them as custom ops with autograd. They
+compute in the features' dtype (float32 or float64).
 """
 from __future__ import annotations
 
@@ -10,19 +11,19 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..cbsr import CBSR, index_dtype_for
-from ..graph import CSRGraph
+from ..cbsr import index_dtype_for
+from ..graph import GraphOperands
 from ..kernels import cpu as kernels
 
 
 def maxk_select(x: Tensor, k: int) -> Tuple[Tensor, Tensor]:
     """``(values [N, k], indices [N, k])`` of the ``k`` largest entries per row
-    of ``x [N, dim]`` (``k < dim``), in column order; ``values`` is
-    differentiable w.r.t. ``x`` (a gather)."""
+    of ``x [N, dim]`` (``k < dim``), in column order."""
     n, dim = x.shape
+    x = x.detach().contiguous()
     indices = torch.empty(n, k, dtype=index_dtype_for(dim))
     if n > 0:
-        kernels.select_rows(x.detach().contiguous().numpy(), k, indices.numpy())
+        kernels.select_rows(x.numpy(), k, indices.numpy())
     return x.gather(1, indices.long()), indices
 
 
@@ -30,36 +31,30 @@ def _weight(weight: Optional[Tensor], dtype: torch.dtype, like: Tensor):
     """(edge values as a numpy array of ``dtype``, whether they are real)."""
     if weight is None:
         return like.new_empty(1, dtype=dtype).numpy(), False
-    return weight.to(dtype).contiguous().numpy(), True
+    return weight.detach().to(dtype).contiguous().numpy(), True
 
 
-class _SpGEMM(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, values: Tensor, indices: Tensor, graph: CSRGraph, dim: int) -> Tensor:
-        out = values.new_zeros(graph.num_dst, dim)                    # [num_dst, dim]
-        weight, weighted = _weight(graph.weight, values.dtype, values)
-        kernels.spgemm_rows(graph.rowptr.numpy(), graph.col.numpy(), weight, weighted,
-                            values.detach().contiguous().numpy(), indices.numpy(),
-                            out.numpy())
-        ctx.graph = graph
-        ctx.save_for_backward(indices)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out: Tensor):
-        (indices,) = ctx.saved_tensors
-        graph: CSRGraph = ctx.graph
-        colptr, row, weight_t = graph.transposed()
-        grad_values = grad_out.new_zeros(graph.num_src, indices.size(1))  # [num_src, k]
-        weight, weighted = _weight(weight_t, grad_out.dtype, grad_out)
-        kernels.sspmm_rows(colptr.numpy(), row.numpy(), weight, weighted, indices.numpy(),
-                           grad_out.contiguous().numpy(), grad_values.numpy())
-        return grad_values, None, None, None
+def spgemm(g: GraphOperands, values: Tensor, indices: Tensor, num_dst: int,
+           dim: int) -> Tensor:
+    """``A @ h`` as ``[num_dst, dim]`` for the CBSR ``h = (values, indices)``:
+    one thread per output row."""
+    out = values.new_zeros(num_dst, dim)                              # [num_dst, dim]
+    weight, weighted = _weight(g.weight, values.dtype, values)
+    kernels.spgemm_rows(g.rowptr.numpy(), g.col.numpy(), weight, weighted,
+                        values.detach().contiguous().numpy(), indices.contiguous().numpy(),
+                        out.numpy())
+    return out
 
 
-def spgemm(graph: CSRGraph, h: CBSR) -> Tensor:
-    """``graph @ h`` as ``[num_dst, dim]``, differentiable w.r.t. ``h.values``."""
-    return _SpGEMM.apply(h.values, h.indices.contiguous(), graph, h.dim)
+def sspmm(g: GraphOperands, indices: Tensor, grad_out: Tensor, num_src: int) -> Tensor:
+    """The gradient ``[num_src, k]`` of :func:`spgemm` w.r.t. the CBSR values,
+    one thread per source row of the transposed graph (no atomics)."""
+    grad_values = grad_out.new_zeros(num_src, indices.size(1))        # [num_src, k]
+    weight, weighted = _weight(g.weight_t, grad_out.dtype, grad_out)
+    kernels.sspmm_rows(g.colptr.numpy(), g.row_t.numpy(), weight, weighted,
+                       indices.contiguous().numpy(), grad_out.detach().contiguous().numpy(),
+                       grad_values.numpy())
+    return grad_values
 
 
 #: Most ``[dim, out]`` partial weight gradients summed per backward (one per
@@ -67,11 +62,11 @@ def spgemm(graph: CSRGraph, h: CBSR) -> Tensor:
 MAX_WEIGHT_GRAD_PARTS = 16
 
 
-def cbsr_linear(values: Tensor, indices: Tensor, weight: Tensor,
+def cbsr_linear(values: Tensor, indices: Tensor, dim: int, weight: Tensor,
                 bias: Optional[Tensor]) -> Tensor:
     """``dense(h) @ weight.T + bias`` as ``[N, out]`` for the CBSR ``h =
-    (values, indices)``, without building ``dense(h)``; not differentiable
-    (all of one float dtype)."""
+    (values, indices)``, without building ``dense(h)`` (all of one float
+    dtype)."""
     n = values.size(0)
     out = values.new_empty(n, weight.size(0))                      # [N, out]
     if n > 0:
@@ -84,24 +79,25 @@ def cbsr_linear(values: Tensor, indices: Tensor, weight: Tensor,
 
 
 def cbsr_linear_backward(grad_out: Tensor, values: Tensor, indices: Tensor, weight: Tensor,
-                         dim: int, need_values: bool, need_weight: bool):
+                         dim: int, need_values: bool,
+                         need_weight: bool) -> Tuple[Optional[Tensor], Optional[Tensor]]:
     """``(grad_values [N, k], grad_weight [out, dim])`` of :func:`cbsr_linear`
     (either None when not needed): ``(grad_out @ W)`` sampled at the CBSR
     pattern, and ``grad_out^T @ dense(h)`` scattered from the CBSR rows."""
     n = values.size(0)
     grad_out = grad_out.detach().contiguous()
     grad_values = grad_weight = None
-    indices = indices.contiguous().numpy()
+    index_array = indices.contiguous().numpy()
     if need_values:
         grad_values = values.new_zeros(values.shape)               # [N, k]
         if n > 0 and weight.size(0) > 0:
             weight_t = weight.detach().t().contiguous()            # [dim, out]
-            kernels.linear_input_grad_rows(grad_out.numpy(), indices, weight_t.numpy(),
+            kernels.linear_input_grad_rows(grad_out.numpy(), index_array, weight_t.numpy(),
                                            grad_values.numpy())
     if need_weight:
         num_parts = max(1, min(torch.get_num_threads(), MAX_WEIGHT_GRAD_PARTS, n))
         parts = values.new_empty(num_parts, dim, weight.size(0))   # [parts, dim, out]
         kernels.linear_weight_grad_parts(grad_out.numpy(), values.detach().contiguous().numpy(),
-                                         indices, parts.numpy())
+                                         index_array, parts.numpy())
         grad_weight = parts.sum(0).t().contiguous()                # [out, dim]
     return grad_values, grad_weight

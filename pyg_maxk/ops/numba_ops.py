@@ -1,16 +1,17 @@
-"""The ``"numba"`` backend: the kernels of :mod:`pyg_maxk.kernels` as
-differentiable ops (:class:`KernelOp`): ``torch.library`` custom ops with fake
-(meta) implementations and registered autograd, so that ``torch.compile``
-treats them as opaque ops, and the same code as plain autograd Functions in
-eager mode.
+"""The ``"numba"`` backend's implementations: the kernels of
+:mod:`pyg_maxk.kernels` launched on torch tensors. Plain functions, not
+differentiable: :mod:`pyg_maxk.ops._library` wraps them (with the other
+backends') as custom ops with fake implementations and autograd.
 
-Kernels run on the caller's current torch CUDA stream, with no host
-synchronisation. They compute in float32: float16/bfloat16 values are widened
-on the way in (an ``[N, k]`` copy) and the result narrowed on the way out, so
-accumulation is always float32.
+Kernels run on the caller's current torch CUDA stream, with memory from
+torch's caching allocator and no host synchronisation, so that a CUDA graph
+can capture them (after one warm-up call per shape has compiled them). They
+compute in float32: float16/bfloat16 values are widened on the way in (an
+``[N, k]`` copy) and the result narrowed on the way out, so accumulation is
+always float32.
 
-Under Numba's simulator (``NUMBA_ENABLE_CUDASIM=1``) the same ops run the same
-kernels on CPU tensors.
+Under Numba's simulator (``NUMBA_ENABLE_CUDASIM=1``) the same functions run
+the same kernels on CPU tensors.
 """
 from __future__ import annotations
 
@@ -20,15 +21,15 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..cbsr import CBSR, index_dtype_for
-from ..graph import CSRGraph, WorkSchedule
+from ..cbsr import index_dtype_for
+from ..graph import PAIRS_PER_ITEM, GraphOperands, max_edges_per_item  # noqa: F401
 from ..kernels._warp import WARP
 from ..kernels.linear import (LINEAR_WARPS, column_tiles, linear_blocks, linear_fits,
-                              linear_kernel, linear_pays, linear_shared_bytes)
+                              linear_kernel, linear_shared_bytes)
 from ..kernels.maxk_select import ROWS_PER_BLOCK, densify_fits, densify_kernel, select_kernel
 from ..kernels.spgemm import (fits_shared_memory, reads_pairs, spgemm_kernel,
                               spgemm_vector_width, sspmm_kernel, sspmm_vector_width)
-from . import as_dtype
+from ._common import as_dtype
 from ._launch import device_index, launcher
 
 #: Threads of one SpGEMM/SSpMM block. The kernels work per warp; under the
@@ -36,9 +37,6 @@ from ._launch import device_index, launcher
 #: ``syncwarp``).
 THREADS = 128
 SIM_THREADS = WARP
-#: Target (edge, slot) pairs per work item (one warp's share): a row with more
-#: edges than ``PAIRS_PER_ITEM // k`` is cut into several items.
-PAIRS_PER_ITEM = 8192
 KERNEL_DTYPE = torch.float32
 UINT32_MAX = 2**32 - 1
 #: Edges from which the forward reads the CBSR as (value, index) pairs
@@ -62,52 +60,6 @@ def block_threads() -> int:
     return SIM_THREADS if launcher().simulator else THREADS
 
 
-def max_edges_per_item(k: int) -> int:
-    return max(1, PAIRS_PER_ITEM // k)
-
-
-class KernelOp:
-    """One kernel op, callable two ways with the same implementation and
-    autograd:
-
-    * ``op``: a ``torch.library`` custom op with a fake implementation and
-      registered autograd, what ``torch.compile`` sees (opaque) and what
-      :func:`torch.library.opcheck` checks;
-    * in eager mode, the implementation itself when no input needs a
-      gradient, else a classic (``forward(ctx, ...)``) autograd Function
-      around it. Host time of a Cora-sized densify on an H200 host: 43 us
-      through the custom op, 25 us this way; with an input that needs a
-      gradient 67 vs 40 us. (A Function with a separate ``setup_context``
-      binds its arguments through :mod:`inspect` on every call: 82 us.)
-    """
-
-    def __init__(self, name: str, impl, fake, setup_context=None, backward=None) -> None:
-        self.impl = impl
-        self.op = torch.library.custom_op(f"pyg_maxk::{name}", impl, mutates_args=())
-        self.op.register_fake(fake)
-        self.function = None
-        if backward is not None:
-            self.op.register_autograd(backward, setup_context=setup_context)
-
-            def forward(ctx, *args):
-                output = impl(*args)
-                setup_context(ctx, args, output)
-                return output
-
-            self.function = type(f"{name}_function", (torch.autograd.Function,), {
-                "forward": staticmethod(forward),
-                "backward": staticmethod(backward),
-            })
-
-    def __call__(self, *args):
-        if torch.compiler.is_compiling():
-            return self.op(*args)
-        if self.function is not None and torch.is_grad_enabled() and any(
-                isinstance(a, Tensor) and a.requires_grad for a in args):
-            return self.function.apply(*args)
-        return self.impl(*args)
-
-
 # --------------------------------------------------------------- maxk ops
 def _rows_per_block() -> int:
     """Rows (one per warp) of a select/densify block here (one warp in the
@@ -124,7 +76,11 @@ def _row_launch(num_rows: int, device: torch.device):
             min(-(-num_rows // rows_per_block), run.max_blocks(device, threads)))
 
 
-def _maxk_select(x: Tensor, k: int) -> Tuple[Tensor, Tensor]:
+def maxk_select(x: Tensor, k: int) -> Tuple[Tensor, Tensor]:
+    """``(values [N, k], indices [N, k])`` of the ``k`` largest entries per
+    row (the entries :func:`torch.topk` keeps; ties to the lowest column), in
+    bank-major order (by column mod 32, then column; see
+    :mod:`~pyg_maxk.kernels.maxk_select`); ``values`` in ``x``'s dtype."""
     n, dim = x.shape
     x32 = _kernel_input(x)
     values = torch.empty(n, k, dtype=KERNEL_DTYPE, device=x.device)
@@ -136,12 +92,10 @@ def _maxk_select(x: Tensor, k: int) -> Tuple[Tensor, Tensor]:
     return as_dtype(values, x.dtype), indices
 
 
-def _maxk_select_fake(x: Tensor, k: int) -> Tuple[Tensor, Tensor]:
-    n, dim = x.shape
-    return x.new_empty(n, k), x.new_empty(n, k, dtype=index_dtype_for(dim))
-
-
-def _cbsr_to_dense(values: Tensor, indices: Tensor, dim: int) -> Tensor:
+def cbsr_to_dense(values: Tensor, indices: Tensor, dim: int) -> Tensor:
+    """The dense ``[N, dim]`` matrix of the CBSR ``(values, indices)``, each
+    row written once from shared memory (``dim`` within
+    :func:`supports_to_dense`)."""
     n, k = values.shape
     v32 = _kernel_input(values)
     dense = torch.empty(n, dim, dtype=KERNEL_DTYPE, device=values.device)  # rows written whole
@@ -152,57 +106,11 @@ def _cbsr_to_dense(values: Tensor, indices: Tensor, dim: int) -> Tensor:
     return as_dtype(dense, values.dtype)
 
 
-def _cbsr_to_dense_fake(values: Tensor, indices: Tensor, dim: int) -> Tensor:
-    return values.new_empty(values.size(0), dim)
-
-
-def _to_dense_setup(ctx, inputs, output) -> None:
-    ctx.save_for_backward(inputs[1])
-
-
-def _to_dense_backward(ctx, grad_dense):
-    (indices,) = ctx.saved_tensors
-    return grad_dense.gather(1, indices.long()), None, None
-
-
-cbsr_to_dense_op = KernelOp("cbsr_to_dense", _cbsr_to_dense, _cbsr_to_dense_fake,
-                            _to_dense_setup, _to_dense_backward)
-
-
-def _maxk_setup(ctx, inputs, output) -> None:
-    x, _ = inputs
-    ctx.dim = x.size(1)
-    ctx.save_for_backward(output[1])
-
-
-def _maxk_backward(ctx, grad_values, grad_indices):
-    (indices,) = ctx.saved_tensors
-    return cbsr_to_dense_op(grad_values, indices, ctx.dim), None
-
-
-maxk_select_op = KernelOp("maxk_select", _maxk_select, _maxk_select_fake,
-                          _maxk_setup, _maxk_backward)
-
-
 def supports_to_dense(dim: int) -> bool:
     """Whether the densify kernel takes rows of width ``dim`` (one row per
-    warp in shared memory); MaxK's widths (:data:`~pyg_maxk.ops.MAX_SELECT_DIM`)
+    warp in shared memory); MaxK's widths (:data:`~pyg_maxk.dispatch.MAX_SELECT_DIM`)
     always fit."""
     return densify_fits(dim, _rows_per_block())
-
-
-def to_dense(h: CBSR) -> Tensor:
-    """``h`` as a dense ``[N, dim]`` tensor, differentiable w.r.t. ``h.values``
-    (``h.dim`` within :func:`supports_to_dense`)."""
-    return cbsr_to_dense_op(h.values, h.indices, h.dim)
-
-
-def maxk_select(x: Tensor, k: int) -> Tuple[Tensor, Tensor]:
-    """``(values [N, k], indices [N, k])`` of the ``k`` largest entries per
-    row (the entries :func:`torch.topk` keeps; ties to the lowest column), in
-    bank-major order (by column mod 32, then column; see
-    :mod:`~pyg_maxk.kernels.maxk_select`)."""
-    return maxk_select_op(x, k)
 
 
 # ------------------------------------------------------------ linear op
@@ -210,8 +118,17 @@ def _linear_warps() -> int:
     return 1 if launcher().simulator else LINEAR_WARPS
 
 
-def _cbsr_linear(values: Tensor, indices: Tensor, dim: int, weight: Tensor,
-                 bias: Optional[Tensor]) -> Tensor:
+def supports_linear(dim: int, k: int) -> bool:
+    """Whether :func:`cbsr_linear` takes CBSR rows of this shape (a ``W^T``
+    tile of ``dim`` rows in shared memory)."""
+    return linear_fits(dim, k, _linear_warps())
+
+
+def cbsr_linear(values: Tensor, indices: Tensor, dim: int, weight: Tensor,
+                bias: Optional[Tensor]) -> Tensor:
+    """``dense(h) @ weight.T + bias`` as float32 ``[N, out_features]`` from
+    the float32 CBSR ``(values, indices)`` of width ``dim`` (within
+    :func:`supports_linear`), without building ``dense(h)``."""
     n, k = values.shape
     out_features = weight.size(0)
     out = torch.empty(n, out_features, dtype=KERNEL_DTYPE, device=values.device)
@@ -229,43 +146,6 @@ def _cbsr_linear(values: Tensor, indices: Tensor, dim: int, weight: Tensor,
             _kernel_input(values), indices.contiguous(), weight_t,
             _or_unread(_as_kernel_dtype(bias), weight_t), out, n)
     return out
-
-
-def _cbsr_linear_fake(values: Tensor, indices: Tensor, dim: int, weight: Tensor,
-                      bias: Optional[Tensor]) -> Tensor:
-    return values.new_empty(values.size(0), weight.size(0), dtype=KERNEL_DTYPE)
-
-
-#: No autograd of its own: :func:`pyg_maxk.ops.cbsr_linear` calls it from its
-#: autograd Function's forward.
-cbsr_linear_op = KernelOp("cbsr_linear", _cbsr_linear, _cbsr_linear_fake)
-
-
-def supports_linear(dim: int, k: int) -> bool:
-    """Whether :func:`cbsr_linear` takes CBSR rows of this shape (a ``W^T``
-    tile of ``dim`` rows in shared memory)."""
-    return linear_fits(dim, k, _linear_warps())
-
-
-#: Rows from which the layers use :func:`cbsr_linear`. On a Cora-sized
-#: graph (2,708 rows) a SAGE epoch took 4.05 ms with it, 3.45 ms before it
-#: and 3.35 ms with this threshold (H200; host-bound there, the cause not
-#: pinned down); its gain is on large graphs.
-LINEAR_MIN_ROWS = 1 << 15
-
-
-def prefers_linear(num_rows: int, dim: int, k: int) -> bool:
-    """Whether :func:`cbsr_linear` takes this shape and beats densify + GEMM
-    there (:func:`~pyg_maxk.kernels.linear.linear_pays`, and at least
-    :data:`LINEAR_MIN_ROWS` rows)."""
-    return num_rows >= LINEAR_MIN_ROWS and supports_linear(dim, k) and linear_pays(dim, k)
-
-
-def cbsr_linear(values: Tensor, indices: Tensor, dim: int, weight: Tensor,
-                bias: Optional[Tensor]) -> Tensor:
-    """``dense(h) @ weight.T + bias`` as float32 ``[N, out_features]`` from
-    the CBSR ``(values, indices)`` of width ``dim``, not differentiable."""
-    return cbsr_linear_op(values, indices, dim, weight, bias)
 
 
 # ------------------------------------------------------------ SpGEMM ops
@@ -343,32 +223,31 @@ def _spgemm_operands(values: Tensor, indices: Tensor, num_edges: int):
     return v32, words, width, bits, False
 
 
-def _spgemm(item_row: Tensor, item_start: Tensor, item_end: Tensor, item_split: Tensor,
-            zeroed_rows: Tensor, col: Tensor, weight: Optional[Tensor],
-            row_scale: Optional[Tensor], values: Tensor, indices: Tensor, num_dst: int,
-            dim: int) -> Tensor:
+def spgemm(g: GraphOperands, values: Tensor, indices: Tensor, num_dst: int,
+           dim: int) -> Tensor:
+    """``A @ h`` as ``[num_dst, dim]`` in ``values``' dtype for the CBSR ``h =
+    (values, indices)`` of width ``dim`` (within :func:`supports`). A graph
+    with a per-row scale (a mean without edge values) is aggregated
+    unweighted and scaled once per output row."""
     k = values.size(1)
+    check_cbsr_offsets(values.size(0), k, g.col.numel())
+    weight, row_scale = kernel_weights(g)
     # Only the rows no single item writes whole start from zero, not all of
     # [num_dst, dim]: at Reddit's size, dim 256, k=8 (24,940 of 232,965 rows)
     # 0.034 instead of 0.073 ms on an H200, beside a 1.87 ms product.
     out = torch.empty(num_dst, dim, dtype=KERNEL_DTYPE, device=values.device)
-    if zeroed_rows.numel() > 0:
-        out.index_fill_(0, zeroed_rows, 0.0)
-    num_items = item_row.numel()
+    if g.zeroed_rows.numel() > 0:
+        out.index_fill_(0, g.zeroed_rows, 0.0)
+    num_items = g.item_row.numel()
     if num_items > 0:
         run, threads, blocks = _item_launch(num_items, values.device)
-        v32, index_words, width, bits, pairs = _spgemm_operands(values, indices, col.numel())
+        v32, index_words, width, bits, pairs = _spgemm_operands(values, indices, g.col.numel())
         kernel = spgemm_kernel(dim, k, threads, weight is not None, row_scale is not None,
                                width, bits, pairs)
-        run(kernel, blocks, threads, values.device, item_row, item_start, item_end, item_split,
-            col, _or_unread(weight, item_start), _or_unread(row_scale, item_start),
-            v32, index_words, out, num_items)
+        run(kernel, blocks, threads, values.device, g.item_row, g.item_start, g.item_end,
+            g.item_split, g.col, _or_unread(weight, g.item_start),
+            _or_unread(row_scale, g.item_start), v32, index_words, out, num_items)
     return as_dtype(out, values.dtype)
-
-
-def _spgemm_fake(item_row, item_start, item_end, item_split, zeroed_rows, col, weight,
-                 row_scale, values, indices, num_dst, dim):
-    return values.new_empty(num_dst, dim)
 
 
 def _or_unread(optional: Optional[Tensor], stand_in: Tensor) -> Tensor:
@@ -376,13 +255,15 @@ def _or_unread(optional: Optional[Tensor], stand_in: Tensor) -> Tensor:
     return optional if optional is not None else stand_in
 
 
-def _sspmm(item_row: Tensor, item_start: Tensor, item_end: Tensor, col: Tensor,
-           weight: Optional[Tensor], row_scale: Optional[Tensor], indices: Tensor,
-           grad_out: Tensor, num_src: int) -> Tensor:
+def sspmm(g: GraphOperands, indices: Tensor, grad_out: Tensor, num_src: int) -> Tensor:
+    """The gradient ``[num_src, k]`` (in ``grad_out``'s dtype) of
+    :func:`spgemm` w.r.t. the CBSR values: ``grad_out`` sampled through the
+    transposed graph at the CBSR pattern, per-edge float32 reductions."""
     k = indices.size(1)
     dim = grad_out.size(1)
+    weight, row_scale = kernel_weights(g)
     grad_values = torch.zeros(num_src, k, dtype=KERNEL_DTYPE, device=grad_out.device)
-    num_items = item_row.numel()
+    num_items = g.item_row.numel()
     if num_items > 0:
         run, threads, blocks = _item_launch(num_items, grad_out.device)
         g32 = _kernel_input(grad_out)
@@ -390,53 +271,22 @@ def _sspmm(item_row: Tensor, item_start: Tensor, item_end: Tensor, col: Tensor,
                                                    grad_values)
         kernel = sspmm_kernel(dim, k, threads, weight is not None, row_scale is not None,
                               width, bits, _has_vector_atomics(grad_out.device))
-        run(kernel, blocks, threads, grad_out.device, item_row, item_start, item_end, col,
-            _or_unread(weight, item_start), _or_unread(row_scale, item_start),
+        run(kernel, blocks, threads, grad_out.device, g.item_row, g.item_start, g.item_end,
+            g.col, _or_unread(weight, g.item_start), _or_unread(row_scale, g.item_start),
             index_words, g32, grad_values.view(-1), num_items)
     return as_dtype(grad_values, grad_out.dtype)
-
-
-def _sspmm_fake(item_row, item_start, item_end, col, weight, row_scale, indices, grad_out,
-                num_src):
-    return grad_out.new_empty(num_src, indices.size(1))
-
-
-sspmm_op = KernelOp("sspmm", _sspmm, _sspmm_fake)
-
-
-def _spgemm_setup(ctx, inputs, output) -> None:
-    item_row, item_start, item_end, _, _, col, weight, row_scale, values, indices, _, _ = inputs
-    ctx.num_src = values.size(0)
-    ctx.values_dtype = values.dtype
-    ctx.has_weight, ctx.has_row_scale = weight is not None, row_scale is not None
-    saved = [item_row, item_start, item_end, col, indices]
-    saved += [t for t in (weight, row_scale) if t is not None]
-    ctx.save_for_backward(*saved)
-
-
-def _spgemm_backward(ctx, grad_out):
-    item_row, item_start, item_end, col, indices, *rest = ctx.saved_tensors
-    weight = rest.pop(0) if ctx.has_weight else None
-    row_scale = rest.pop(0) if ctx.has_row_scale else None
-    grad_values = sspmm_op(item_row, item_start, item_end, col, weight, row_scale, indices,
-                           grad_out, ctx.num_src)
-    grad_values = as_dtype(grad_values, ctx.values_dtype)
-    return None, None, None, None, None, None, None, None, grad_values, None, None, None
-
-
-spgemm_op = KernelOp("spgemm", _spgemm, _spgemm_fake, _spgemm_setup, _spgemm_backward)
 
 
 def _as_kernel_dtype(t: Optional[Tensor]) -> Optional[Tensor]:
     return None if t is None else as_dtype(t, KERNEL_DTYPE)
 
 
-def kernel_weights(graph: CSRGraph) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+def kernel_weights(g: GraphOperands) -> Tuple[Optional[Tensor], Optional[Tensor]]:
     """``(edge values, row scale)`` as the kernels read them (float32): the
     row scale alone when the graph has one, else the edge values (or None)."""
-    if graph.row_scale is not None:
-        return None, _as_kernel_dtype(graph.row_scale)
-    return _as_kernel_dtype(graph.weight), None
+    if g.row_scale is not None:
+        return None, _as_kernel_dtype(g.row_scale)
+    return _as_kernel_dtype(g.weight), None
 
 
 def supports(k: int, dim: int) -> bool:
@@ -454,15 +304,3 @@ def check_cbsr_offsets(num_rows: int, k: int, num_edges: int) -> None:
             f"The pyg_maxk kernels index CBSR slots with uint32 and these features "
             f"need {slots} ({num_rows} rows, k={k}; limit {UINT32_MAX}). Split the "
             f"graph (e.g. NeighborLoader) or use the 'torch' backend.")
-
-
-def spgemm(graph: CSRGraph, h: CBSR) -> Tensor:
-    """``graph @ h`` as ``[num_dst, dim]``, differentiable w.r.t. ``h.values``.
-    A graph with a per-row scale (a mean without edge values) is aggregated
-    unweighted and scaled once per output row."""
-    check_cbsr_offsets(h.num_rows, h.k, graph.num_edges)
-    schedule: WorkSchedule = graph.schedule(max_edges_per_item(h.k))
-    weight, row_scale = kernel_weights(graph)
-    return spgemm_op(schedule.row, schedule.start, schedule.end, schedule.split,
-                     schedule.zeroed_rows, graph.kernel_col(), weight, row_scale, h.values,
-                     h.indices, graph.num_dst, h.dim)

@@ -1,0 +1,256 @@
+"""Which implementation runs each MaxK op: the one home of that decision.
+
+Backends:
+
+* ``"torch"``: pure PyTorch (CPU and CUDA). It is the semantics oracle: MaxK is
+  :func:`torch.topk`, the aggregation a ``torch.sparse`` CSR product.
+* ``"numba"``: the Numba CUDA kernels of :mod:`pyg_maxk.kernels`. It needs CUDA
+  tensors, or CPU tensors under Numba's simulator (``NUMBA_ENABLE_CUDASIM=1``).
+* ``"cpu"``: Numba's parallel CPU kernels (:mod:`pyg_maxk.kernels.cpu`;
+  float32/float64 CPU tensors).
+* ``"auto"`` (default): per op, the fastest implementation that takes the
+  input (below), else ``"torch"``.
+
+Select one with :func:`use_backend` (a context manager, per thread and per
+:mod:`contextvars` context) or the ``PYG_MAXK_BACKEND`` environment variable.
+
+The rules, per op (``select``: MaxK; ``densify``: CBSR to dense;
+``aggregate``: CSR x CBSR and its backward; ``linear``: CBSR x dense weight
+and its backward):
+
+* A forced backend runs its own implementation of every op, or raises a
+  :class:`BackendError` that names the reason and the fix; it never falls
+  back silently.
+* ``"auto"`` takes the Numba kernels for float32/float16/bfloat16 CUDA
+  tensors where they take the shape, the CPU kernels for float32/float64 CPU
+  tensors, and ``"torch"`` for the rest.
+* The linear kernels also need one float type throughout; the ``"numba"``
+  linear kernel runs in float32 only, from :data:`LINEAR_MIN_ROWS` rows and
+  where it beats densify + GEMM (:func:`~pyg_maxk.kernels.linear.linear_pays`).
+  Elsewhere the linear map densifies (with the backend's densify) and calls
+  cuBLAS/MKL: the ``"torch"`` variant of the op.
+
+A decision depends only on the requested backend, the device type, the
+dtypes and the shape parameters (``dim``, ``k``, whether the rows reach a
+threshold), and is computed once per such key. The custom ops take the
+*requested* backend as a string argument and decide inside their
+implementation, at run time, where every size is a plain int: so a compiled
+graph guards only on the requested backend (a change recompiles), never on
+sizes, and the backward, which gets the same string, runs the forward's
+implementation on whatever thread autograd runs it.
+"""
+from __future__ import annotations
+
+import contextvars
+import os
+from typing import Dict, Optional, Tuple
+
+import torch
+
+BACKENDS = ("auto", "torch", "numba", "cpu")
+OPS = ("select", "densify", "aggregate", "linear")
+ENV_VAR = "PYG_MAXK_BACKEND"
+
+#: Feature types the Numba kernels take (they accumulate in float32).
+NUMBA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: Feature types the CPU kernels take (they compute in that type).
+CPU_DTYPES = (torch.float32, torch.float64)
+#: Widest rows the Numba select kernel takes (each lane holds dim / 32 keys in
+#: registers); measured on an H200 up to this width, where it beat
+#: :func:`torch.topk` for every k (232,965 and 2,449,029 rows).
+MAX_SELECT_DIM = 1024
+#: Rows from which ``"auto"`` runs the Numba CBSR linear kernel; below, the
+#: host-bound dense path is as fast (Cora-sized graphs on an H200).
+LINEAR_MIN_ROWS = 1 << 15
+
+_requested: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar(
+    "pyg_maxk_backend", default=None)
+
+
+#: The override most recently set or restored on any thread. Dynamo cannot
+#: read a ContextVar, so compiled code reads this plain global instead (and
+#: guards on it: a change of backend recompiles); eager code reads the
+#: ContextVar, per thread and context.
+_traced_override: Optional[str] = None
+
+
+class BackendError(RuntimeError):
+    """A forced backend cannot run an op on its input."""
+
+
+def _check(name: str) -> str:
+    if not isinstance(name, str) or name.lower() not in BACKENDS:
+        raise ValueError(f"Unknown pyg_maxk backend {name!r}; choose one of "
+                         f"{', '.join(repr(b) for b in BACKENDS)}")
+    return name.lower()
+
+
+def get_backend() -> str:
+    """The backend asked for: the innermost :func:`use_backend`, else
+    ``$PYG_MAXK_BACKEND``, else ``"auto"``."""
+    name = _traced_override if torch.compiler.is_compiling() else _requested.get()
+    if name is not None:
+        return name
+    env = os.environ.get(ENV_VAR)
+    if env:
+        try:
+            return _check(env)
+        except ValueError as err:
+            raise ValueError(f"${ENV_VAR}: {err}") from None
+    return "auto"
+
+
+class use_backend:
+    """Run the enclosed code with the given backend (this thread/context only).
+
+    .. code-block:: python
+
+        with pyg_maxk.use_backend("torch"):
+            out = model(x, edge_index)
+
+    Also a decorator. Under ``torch.compile`` a change of backend recompiles.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = _check(name)
+        self._tokens: list = []
+
+    def __enter__(self) -> "use_backend":
+        global _traced_override
+        self._tokens.append(_requested.set(self.name))
+        _traced_override = self.name
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _traced_override
+        _requested.reset(self._tokens.pop())
+        _traced_override = _requested.get()
+
+    def __call__(self, fn):
+        import functools
+
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            with use_backend(self.name):
+                return fn(*args, **kwargs)
+        return wrapped
+
+
+def choose(op: str, tensor: torch.Tensor, *, dim: int = 0, k: int = 0,
+           uniform: bool = True, large: bool = True, requested: Optional[str] = None) -> str:
+    """The concrete backend (``"torch"``, ``"numba"`` or ``"cpu"``) of ``op``
+    on data like ``tensor``.
+
+    Args:
+        op: one of :data:`OPS`.
+        tensor: the op's main input (device and dtype).
+        dim, k: the CBSR's width and entries per row.
+        uniform: (``linear``) whether every operand has ``tensor``'s dtype.
+        large: (``linear``) whether there are :data:`LINEAR_MIN_ROWS` rows.
+        requested: the backend asked for (default: :func:`get_backend`).
+    """
+    if requested is None:
+        requested = get_backend()
+    key = (op, requested, tensor.device.type, tensor.dtype, int(dim), int(k), bool(uniform),
+           bool(large))
+    decision = _DECISIONS.get(key)
+    if decision is None:
+        decision = _DECISIONS[key] = _decision(*key)
+    return decision
+
+
+def resolve_backend(tensor: torch.Tensor) -> str:
+    """The backend the aggregation would take for data like ``tensor`` at
+    any shape the kernels take (used to label runs)."""
+    return choose("aggregate", tensor, dim=32, k=8)
+
+
+_DECISIONS: Dict[Tuple, str] = {}
+
+
+def clear_decisions() -> None:
+    """Forget every cached decision (after a threshold is changed, in tests)."""
+    _DECISIONS.clear()
+
+
+def _decision(op, requested, device_type, dtype, dim, k, uniform, large) -> str:
+    if op not in OPS:
+        raise ValueError(f"Unknown pyg_maxk op {op!r}")
+    if requested == "torch":
+        return "torch"
+    on_cuda = device_type == "cuda"
+    if requested == "cpu":
+        if on_cuda or dtype not in CPU_DTYPES:
+            raise BackendError(
+                f"pyg_maxk backend 'cpu' takes float32/float64 CPU tensors, got {dtype} "
+                f"on {device_type}. Use backend 'auto' (it picks per device and dtype) "
+                f"or 'torch'.")
+        return _cpu_decision(op, dtype, uniform)
+    if requested == "numba" or on_cuda:
+        reason = _numba_cannot(op, device_type, dtype, dim, k)
+        if reason:
+            if requested == "auto":
+                return "torch"
+            raise BackendError(f"pyg_maxk backend 'numba' cannot run {op!r}: {reason}")
+        if op == "linear" and not (large and _linear_kernel_takes(dtype, dim, k, uniform)
+                                   and _linear_pays(dim, k)):
+            # The numba backend's linear map is then densify + GEMM (measured
+            # faster there; the densify is still the numba kernel's).
+            return "torch"
+        return "numba"
+    if dtype in CPU_DTYPES and _numba_importable():
+        return _cpu_decision(op, dtype, uniform)
+    return "torch"
+
+
+def _cpu_decision(op: str, dtype: torch.dtype, uniform: bool) -> str:
+    if op == "densify" or (op == "linear" and not uniform):
+        return "torch"  # no CPU kernel: a zero-fill and a scatter is the CPU path
+    return "cpu"
+
+
+def _numba_importable() -> bool:
+    from .kernels import numba_status
+    return numba_status().importable
+
+
+def _linear_pays(dim: int, k: int) -> bool:
+    from .kernels.linear import linear_pays
+    return linear_pays(dim, k)
+
+
+def _linear_kernel_takes(dtype: torch.dtype, dim: int, k: int, uniform: bool) -> bool:
+    """Whether the Numba linear kernel (float32 throughout, a ``W^T`` tile in
+    shared memory) takes this input."""
+    from .ops import numba_ops
+    return uniform and dtype == torch.float32 and numba_ops.supports_linear(dim, k)
+
+
+def _numba_cannot(op: str, device_type: str, dtype: torch.dtype, dim: int, k: int) -> str:
+    """Why the ``"numba"`` backend cannot run ``op`` here ('' when it can)."""
+    from .kernels import numba_status
+
+    status = numba_status()
+    if dtype not in NUMBA_DTYPES:
+        return (f"its kernels compute in float32 and take float32, float16 or bfloat16 "
+                f"tensors, got {dtype}. Use backend 'auto' or 'torch' for {dtype}.")
+    if device_type == "cuda":
+        if not status.cuda_available:
+            return f"{status.reason}. Use backend 'auto' or 'torch'."
+    elif not status.simulator:
+        return (f"it needs CUDA tensors, got tensors on {device_type}. Move the model "
+                f"and data to a GPU, use backend 'auto' or 'cpu' on the CPU, or set "
+                f"NUMBA_ENABLE_CUDASIM=1 (before the first import of numba) to run the "
+                f"kernels in Numba's simulator.")
+    from .ops import numba_ops
+
+    if op == "select" and dim > MAX_SELECT_DIM:
+        return (f"the select kernel takes rows up to {MAX_SELECT_DIM} wide, got {dim}. "
+                f"Use backend 'auto' (torch.topk there) or 'torch'.")
+    if op == "densify" and not numba_ops.supports_to_dense(dim):
+        return (f"rows of width {dim} do not fit the densify kernel's shared memory. "
+                f"Use backend 'auto' (a scatter there) or 'torch'.")
+    if op == "aggregate" and not numba_ops.supports(k, dim):
+        return (f"rows of width {dim} (k={k}) do not fit the SpGEMM's shared memory. "
+                f"Use backend 'auto' (torch.sparse there) or 'torch'.")
+    return ""

@@ -1,0 +1,314 @@
+"""The MaxK ops as ``torch.library`` custom ops: one op per computation,
+each with a fake implementation (shapes and dtypes only) and registered
+autograd, whatever backend runs it.
+
+Every op takes the *requested* backend (:func:`pyg_maxk.dispatch.get_backend`)
+as a string argument and, at run time, runs the implementation that
+:func:`pyg_maxk.dispatch.choose` picks for it (:mod:`.torch_ops`,
+:mod:`.numba_ops`, :mod:`.cpu_ops`); every backend's output has the same
+shapes and dtypes. So dynamo, AOTAutograd and Inductor see opaque ops with
+exact metadata and never trace a kernel launch, and the backward, which gets
+the same string, runs the forward's choice.
+
+In eager mode an op is called without the dispatcher (:class:`KernelOp`).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Tuple
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from ..cbsr import index_dtype_for
+from .. import dispatch
+from ..dispatch import choose
+from ..graph import GraphOperands
+from . import torch_ops
+
+
+def _impls(op: str, requested: str, tensor: Tensor, **shape):
+    """The module of the implementations that run ``op`` (see
+    :func:`~pyg_maxk.dispatch.choose`)."""
+    return _module(choose(op, tensor, requested=requested, **shape))
+
+
+def _module(backend: str):
+    if backend == "numba":
+        from . import numba_ops
+        return numba_ops
+    if backend == "cpu":
+        from . import cpu_ops
+        return cpu_ops
+    if backend == "torch":
+        return torch_ops
+    raise ValueError(f"Unknown pyg_maxk backend {backend!r}")
+
+
+class KernelOp:
+    """One op, callable two ways with the same implementation and autograd:
+
+    * ``op``: the ``torch.library`` custom op, what ``torch.compile`` sees
+      and what :func:`torch.library.opcheck` checks;
+    * in eager mode, the implementation itself when no input needs a
+      gradient, else a classic (``forward(ctx, ...)``) autograd Function
+      around it: the dispatcher and a separate ``setup_context`` cost tens of
+      microseconds of host time per call, and small graphs are host-bound.
+    """
+
+    def __init__(self, name: str, impl: Callable, fake: Callable,
+                 setup_context: Optional[Callable] = None,
+                 backward: Optional[Callable] = None) -> None:
+        self.name = name
+        self.impl = impl
+        self.op = torch.library.custom_op(f"pyg_maxk::{name}", impl, mutates_args=())
+        self.op.register_fake(fake)
+        self.function = None
+        if backward is not None:
+            self.op.register_autograd(backward, setup_context=setup_context)
+
+            def forward(ctx, *args):
+                output = impl(*args)
+                setup_context(ctx, args, output)
+                return output
+
+            self.function = type(f"{name}_function", (torch.autograd.Function,), {
+                "forward": staticmethod(forward),
+                "backward": staticmethod(backward),
+            })
+
+    def __call__(self, *args):
+        if not _plain_eager(args):
+            return self.op(*args)
+        if self.function is not None and torch.is_grad_enabled() and any(
+                isinstance(a, Tensor) and a.requires_grad for a in args):
+            return self.function.apply(*args)
+        return self.impl(*args)
+
+    def __repr__(self) -> str:
+        return f"KernelOp(pyg_maxk::{self.name})"
+
+
+_PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
+
+
+def _plain_eager(args) -> bool:
+    """Whether this call runs eagerly on plain tensors: not under dynamo, no
+    tracing mode (AOTAutograd, fake tensors, ``make_fx``) and no tensor
+    subclass, which all need the dispatcher (and the fake implementation)."""
+    return (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
+            and all(type(a) in _PLAIN_TENSORS for a in args if isinstance(a, Tensor)))
+
+
+def _densify(requested: str, values: Tensor, dim: int):
+    """The densify function that ``requested`` runs on ``values``."""
+    return _impls("densify", requested, values, dim=dim, k=values.size(1)).cbsr_to_dense
+
+
+# ------------------------------------------------------------------ densify
+def _cbsr_to_dense(values: Tensor, indices: Tensor, dim: int, backend: str) -> Tensor:
+    return _densify(backend, values, dim)(values, indices, dim)
+
+
+def _cbsr_to_dense_fake(values, indices, dim, backend):
+    return values.new_empty(values.size(0), dim)
+
+
+def _cbsr_to_dense_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(inputs[1])
+
+
+def _cbsr_to_dense_backward(ctx, grad_dense):
+    (indices,) = ctx.saved_tensors
+    return grad_dense.gather(1, indices.long()), None, None, None
+
+
+cbsr_to_dense = KernelOp("cbsr_to_dense", _cbsr_to_dense, _cbsr_to_dense_fake,
+                         _cbsr_to_dense_setup, _cbsr_to_dense_backward)
+
+
+# -------------------------------------------------------------------- maxk
+def _maxk_select(x: Tensor, k: int, backend: str) -> Tuple[Tensor, Tensor]:
+    return _impls("select", backend, x, dim=x.size(1), k=k).maxk_select(x, k)
+
+
+def _maxk_select_fake(x, k, backend):
+    n, dim = x.shape
+    return x.new_empty(n, k), x.new_empty(n, k, dtype=index_dtype_for(dim))
+
+
+def _maxk_select_setup(ctx, inputs, output) -> None:
+    x, _, backend = inputs
+    ctx.dim = x.size(1)
+    ctx.backend = backend
+    ctx.save_for_backward(output[1])
+
+
+def _maxk_select_backward(ctx, grad_values, grad_indices):
+    (indices,) = ctx.saved_tensors
+    grad_x = cbsr_to_dense(grad_values.contiguous(), indices, ctx.dim, ctx.backend)
+    return grad_x, None, None
+
+
+maxk_select = KernelOp("maxk_select", _maxk_select, _maxk_select_fake,
+                       _maxk_select_setup, _maxk_select_backward)
+
+
+# ----------------------------------------------------------- aggregation
+#: The graph arguments of :data:`spgemm` and :data:`sspmm`, in order
+#: (:class:`~pyg_maxk.graph.GraphOperands`).
+NUM_GRAPH_ARGS = len(GraphOperands._fields)
+
+
+def _spgemm(rowptr: Tensor, col: Tensor, weight: Optional[Tensor], row_scale: Optional[Tensor],
+            item_row: Tensor, item_start: Tensor, item_end: Tensor, item_split: Tensor,
+            zeroed_rows: Tensor, colptr: Optional[Tensor], row_t: Optional[Tensor],
+            weight_t: Optional[Tensor], values: Tensor, indices: Tensor, num_dst: int,
+            dim: int, backend: str) -> Tensor:
+    g = GraphOperands(rowptr, col, weight, row_scale, item_row, item_start, item_end,
+                      item_split, zeroed_rows, colptr, row_t, weight_t)
+    return _impls("aggregate", backend, values, dim=dim, k=values.size(1)).spgemm(
+        g, values, indices, num_dst, dim)
+
+
+def _spgemm_fake(*args):
+    values, num_dst, dim = args[NUM_GRAPH_ARGS], args[-3], args[-2]
+    return values.new_empty(num_dst, dim)
+
+
+def _spgemm_setup(ctx, inputs, output) -> None:
+    graph, (values, indices, _, _, backend) = inputs[:NUM_GRAPH_ARGS], inputs[NUM_GRAPH_ARGS:]
+    ctx.num_src = values.size(0)
+    ctx.values_dtype = values.dtype
+    ctx.backend = backend
+    ctx.present = [t is not None for t in graph]
+    ctx.save_for_backward(indices, *[t for t in graph if t is not None])
+
+
+def _spgemm_backward(ctx, grad_out):
+    indices, *present = ctx.saved_tensors
+    graph = [present.pop(0) if p else None for p in ctx.present]
+    grad_values = sspmm(*graph, indices, grad_out.contiguous(), ctx.num_src, ctx.backend)
+    grad_values = grad_values.to(ctx.values_dtype)
+    return (None,) * NUM_GRAPH_ARGS + (grad_values, None, None, None, None)
+
+
+def _sspmm(rowptr: Tensor, col: Tensor, weight: Optional[Tensor], row_scale: Optional[Tensor],
+           item_row: Tensor, item_start: Tensor, item_end: Tensor, item_split: Tensor,
+           zeroed_rows: Tensor, colptr: Optional[Tensor], row_t: Optional[Tensor],
+           weight_t: Optional[Tensor], indices: Tensor, grad_out: Tensor, num_src: int,
+           backend: str) -> Tensor:
+    g = GraphOperands(rowptr, col, weight, row_scale, item_row, item_start, item_end,
+                      item_split, zeroed_rows, colptr, row_t, weight_t)
+    return _impls("aggregate", backend, grad_out, dim=grad_out.size(1),
+                  k=indices.size(1)).sspmm(g, indices, grad_out, num_src)
+
+
+def _sspmm_fake(*args):
+    indices, grad_out, num_src = args[NUM_GRAPH_ARGS:NUM_GRAPH_ARGS + 3]
+    return grad_out.new_empty(num_src, indices.size(1))
+
+
+#: No autograd of its own (no double backward through the aggregation).
+sspmm = KernelOp("sspmm", _sspmm, _sspmm_fake)
+spgemm = KernelOp("spgemm", _spgemm, _spgemm_fake, _spgemm_setup, _spgemm_backward)
+
+
+def _spmm(rowptr: Tensor, col: Tensor, weight: Optional[Tensor], dense: Tensor, num_src: int,
+          transpose: bool) -> Tensor:
+    return torch_ops.spmm(rowptr, col, weight, dense, num_src, transpose)
+
+
+def _spmm_fake(rowptr, col, weight, dense, num_src, transpose):
+    return dense.new_empty(num_src if transpose else rowptr.size(0) - 1, dense.size(1))
+
+
+def _spmm_setup(ctx, inputs, output) -> None:
+    rowptr, col, weight, dense, num_src, transpose = inputs
+    ctx.save_for_backward(rowptr, col, weight)
+    ctx.num_src, ctx.transpose = num_src, transpose
+
+
+def _spmm_backward(ctx, grad_out):
+    rowptr, col, weight = ctx.saved_tensors
+    grad = spmm(rowptr, col, weight, grad_out.contiguous(), ctx.num_src, not ctx.transpose)
+    return None, None, None, grad, None, None
+
+
+#: The aggregation of dense features (``A @ X``; ``A^T @ X`` with
+#: ``transpose``), through ``torch.sparse``.
+spmm = KernelOp("spmm", _spmm, _spmm_fake, _spmm_setup, _spmm_backward)
+
+
+# ------------------------------------------------------------------ linear
+def _linear_backend(requested: str, values: Tensor, dim: int) -> str:
+    """Which implementation runs the CBSR linear map (operands of one dtype)."""
+    return choose("linear", values, requested=requested, dim=dim, k=values.size(1),
+                  large=values.size(0) >= dispatch.LINEAR_MIN_ROWS)
+
+
+def _cbsr_linear(values: Tensor, indices: Tensor, dim: int, weight: Tensor,
+                 bias: Optional[Tensor], backend: str) -> Tensor:
+    chosen = _linear_backend(backend, values, dim)
+    if chosen == "torch":  # the dense path, with the requested backend's densify
+        return torch_ops.cbsr_linear(values, indices, dim, weight, bias,
+                                     _densify(backend, values, dim))
+    return _module(chosen).cbsr_linear(values, indices, dim, weight, bias)
+
+
+def _cbsr_linear_fake(values, indices, dim, weight, bias, backend):
+    return values.new_empty(values.size(0), weight.size(0))
+
+
+def _cbsr_linear_setup(ctx, inputs, output) -> None:
+    values, indices, dim, weight, bias, backend = inputs
+    ctx.dim, ctx.backend = dim, backend
+    ctx.save_for_backward(values, indices, weight)
+
+
+def _cbsr_linear_backward(ctx, grad_out):
+    values, indices, weight = ctx.saved_tensors
+    need_values, need_weight, need_bias = (ctx.needs_input_grad[0], ctx.needs_input_grad[3],
+                                           ctx.needs_input_grad[4])
+    grad_values = grad_weight = None
+    if need_values or need_weight:
+        grad_values, grad_weight = cbsr_linear_backward(
+            grad_out.contiguous(), values, indices, weight, ctx.dim, need_values, need_weight,
+            ctx.backend)
+        grad_values = grad_values if need_values else None
+        grad_weight = grad_weight if need_weight else None
+    grad_bias = grad_out.sum(0) if need_bias else None
+    return grad_values, None, None, grad_weight, grad_bias, None
+
+
+def _cbsr_linear_backward_impl(grad_out: Tensor, values: Tensor, indices: Tensor,
+                               weight: Tensor, dim: int, need_values: bool, need_weight: bool,
+                               backend: str) -> Tuple[Tensor, Tensor]:
+    if _linear_backend(backend, values, dim) == "cpu":
+        from . import cpu_ops
+        grads = cpu_ops.cbsr_linear_backward(grad_out, values, indices, weight, dim,
+                                             need_values, need_weight)
+    else:
+        # The numba kernel's backward is the dense path's: cuBLAS GEMMs.
+        grads = torch_ops.cbsr_linear_backward(grad_out, values, indices, weight, dim,
+                                               need_values, need_weight,
+                                               _densify(backend, values, dim))
+    grad_values, grad_weight = grads
+    # Custom ops return tensors: an empty one stands for a gradient not asked for.
+    return (grad_values if grad_values is not None else values.new_empty(0),
+            grad_weight if grad_weight is not None else weight.new_empty(0))
+
+
+def _cbsr_linear_backward_fake(grad_out, values, indices, weight, dim, need_values,
+                               need_weight, backend):
+    return (values.new_empty(values.shape) if need_values else values.new_empty(0),
+            weight.new_empty(weight.shape) if need_weight else weight.new_empty(0))
+
+
+cbsr_linear_backward = KernelOp("cbsr_linear_backward", _cbsr_linear_backward_impl,
+                                _cbsr_linear_backward_fake)
+cbsr_linear = KernelOp("cbsr_linear", _cbsr_linear, _cbsr_linear_fake, _cbsr_linear_setup,
+                       _cbsr_linear_backward)
+
+#: Every op of this module, for tests (opcheck) and docs.
+ALL_OPS = (maxk_select, cbsr_to_dense, spgemm, sspmm, spmm, cbsr_linear, cbsr_linear_backward)

@@ -1,0 +1,93 @@
+"""The ``"torch"`` backend's implementations, the reference semantics: MaxK
+is :func:`torch.topk`, densify a scatter, the aggregation a ``torch.sparse``
+CSR product, the linear map densify + :func:`torch.nn.functional.linear`.
+Plain functions, not differentiable: :mod:`pyg_maxk.ops._library` wraps them
+(with the other backends') as custom ops with autograd.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Callable, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..cbsr import index_dtype_for
+from ..graph import GraphOperands
+
+Densify = Callable[[Tensor, Tensor, int], Tensor]
+
+
+def maxk_select(x: Tensor, k: int) -> Tuple[Tensor, Tensor]:
+    """``(values, indices)`` of :func:`torch.topk` (by decreasing value)."""
+    values, idx = torch.topk(x, k, dim=1)
+    return values, idx.to(index_dtype_for(x.size(1)))
+
+
+def cbsr_to_dense(values: Tensor, indices: Tensor, dim: int) -> Tensor:
+    """A zero-fill and a scatter."""
+    out = values.new_zeros(values.size(0), dim)
+    # In place: out-of-place scatter would copy the zeros once more.
+    return out.scatter_(1, indices.long(), values)
+
+
+def csr_matrix(rowptr: Tensor, col: Tensor, weight: Optional[Tensor], num_dst: int,
+               num_src: int, dtype: torch.dtype) -> Tensor:
+    """The ``[num_dst, num_src]`` ``torch.sparse_csr`` matrix of the graph."""
+    values = (torch.ones(col.numel(), dtype=dtype, device=col.device) if weight is None
+              else weight.to(dtype))
+    with warnings.catch_warnings():  # "sparse CSR support is in beta"
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.sparse_csr_tensor(rowptr, col, values, size=(num_dst, num_src),
+                                       check_invariants=False)
+
+
+def spmm(rowptr: Tensor, col: Tensor, weight: Optional[Tensor], dense: Tensor, num_src: int,
+         transpose: bool) -> Tensor:
+    """``A @ dense`` (``[num_dst, d]``) or, with ``transpose``, ``A^T @ dense``
+    (``[num_src, d]``) for the CSR graph ``A`` of ``num_src`` columns, in
+    ``dense``'s dtype."""
+    num_dst = rowptr.numel() - 1
+    # Half-precision features accumulate in float32, as the kernels do (and
+    # torch.sparse has no half CSR product on the CPU).
+    dtype = torch.float32 if dense.dtype in (torch.float16, torch.bfloat16) else dense.dtype
+    adj = csr_matrix(rowptr, col, weight, num_dst, num_src, dtype)
+    if transpose:
+        adj = adj.t()
+    with torch.autocast(dense.device.type, enabled=False):
+        return torch.sparse.mm(adj, dense.to(dtype)).to(dense.dtype)
+
+
+def spgemm(g: GraphOperands, values: Tensor, indices: Tensor, num_dst: int,
+           dim: int) -> Tensor:
+    """``A @ dense(h)``."""
+    return spmm(g.rowptr, g.col, g.weight, cbsr_to_dense(values, indices, dim),
+                values.size(0), False)
+
+
+def sspmm(g: GraphOperands, indices: Tensor, grad_out: Tensor, num_src: int) -> Tensor:
+    """``(A^T @ grad_out)`` sampled at the CBSR pattern."""
+    return spmm(g.rowptr, g.col, g.weight, grad_out, num_src, True).gather(1, indices.long())
+
+
+def cbsr_linear(values: Tensor, indices: Tensor, dim: int, weight: Tensor,
+                bias: Optional[Tensor], densify: Densify = cbsr_to_dense) -> Tensor:
+    """``F.linear(densify(h), weight, bias)``."""
+    with torch.autocast(values.device.type, enabled=False):
+        return F.linear(densify(values, indices, dim), weight, bias)
+
+
+def cbsr_linear_backward(grad_out: Tensor, values: Tensor, indices: Tensor, weight: Tensor,
+                         dim: int, need_values: bool, need_weight: bool,
+                         densify: Densify = cbsr_to_dense
+                         ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """``(grad_out @ W)`` at the CBSR pattern and ``grad_out^T @ dense(h)``
+    (None where not needed), rebuilding ``dense(h)`` from the CBSR."""
+    grad_values = grad_weight = None
+    with torch.autocast(grad_out.device.type, enabled=False):
+        if need_values:
+            grad_values = (grad_out @ weight).gather(1, indices.long())
+        if need_weight:
+            grad_weight = grad_out.t() @ densify(values, indices, dim)
+    return grad_values, grad_weight

@@ -1,0 +1,148 @@
+"""The custom ops of ``pyg_maxk.ops._library`` on every backend that runs
+here: ``torch.library.opcheck`` (schema, autograd registration, fake vs real
+metadata, AOT dispatch with dynamic shapes), the fake implementations
+against the real ones on edge-case inputs, and eager calls against the
+dispatcher's."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pyg_maxk
+from pyg_maxk import CSRGraph
+from pyg_maxk.ops import _library as lib
+
+from helpers import random_edge_index
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+#: The backends that run on this machine (the numba backend's kernels run in
+#: Numba's simulator without a GPU: slow, so only the metadata checks).
+BACKENDS = ["torch", "numba"] if ON_GPU else ["torch", "cpu",
+                                               pytest.param("numba", marks=pytest.mark.sim)]
+OPCHECKS = ("test_schema", "test_autograd_registration", "test_faketensor",
+            "test_aot_dispatch_dynamic")
+
+
+def _graph(num_src, num_dst, num_edges, normalization, seed=0):
+    ei = random_edge_index(num_src, num_dst, num_edges, seed=seed).to(DEVICE)
+    kwargs = {}
+    if normalization == "gcn_weighted":
+        normalization, kwargs = "gcn", {"edge_weight": torch.rand(num_edges, device=DEVICE)}
+    return CSRGraph.from_adj(ei, (num_src, num_dst), normalization=normalization, **kwargs)
+
+
+def _cbsr(num_rows, dim, k, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    values, idx = torch.randn(num_rows, dim, generator=g).topk(k, dim=1)
+    return (values.to(DEVICE, dtype).requires_grad_(),
+            idx.to(DEVICE, pyg_maxk.index_dtype_for(dim)))
+
+
+def op_cases(backend, dtype=torch.float32):
+    """``(op, args)`` for every op: bipartite and square graphs, with and
+    without edge values, a row scale, empty edge sets and no rows."""
+    cases = []
+    for num_src, num_dst, num_edges, norm in ((12, 12, 40, "mean"), (9, 7, 25, "sum"),
+                                              (10, 10, 30, "gcn_weighted"), (6, 5, 0, "sum")):
+        graph, (dim, k) = _graph(num_src, num_dst, num_edges, norm), (20, 4)
+        values, indices = _cbsr(num_src, dim, k, dtype=dtype)
+        ops = graph.operands(k)
+        cases.append((lib.spgemm, (*ops, values, indices, num_dst, dim, backend)))
+        grad_out = torch.randn(num_dst, dim, device=DEVICE, dtype=dtype)
+        cases.append((lib.sspmm, (*ops, indices, grad_out, num_src, backend)))
+        dense = torch.randn(num_src, dim, device=DEVICE, dtype=dtype, requires_grad=True)
+        weight = None if graph.weight is None else graph.weight.to(dtype)
+        cases.append((lib.spmm, (graph.rowptr, graph.col, weight, dense, num_src, False)))
+    for rows in (7, 0):
+        x = torch.randn(rows, 24, device=DEVICE, dtype=dtype, requires_grad=True)
+        cases.append((lib.maxk_select, (x, 5, backend)))
+        values, indices = _cbsr(rows, 24, 5, dtype=dtype)
+        cases.append((lib.cbsr_to_dense, (values, indices, 24, backend)))
+        weight = torch.randn(6, 24, device=DEVICE, dtype=dtype, requires_grad=True)
+        bias = torch.randn(6, device=DEVICE, dtype=dtype, requires_grad=True)
+        for b in (bias, None):
+            cases.append((lib.cbsr_linear, (values, indices, 24, weight, b, backend)))
+        grad_out = torch.randn(rows, 6, device=DEVICE, dtype=dtype)
+        for need in ((True, True), (True, False), (False, True)):
+            cases.append((lib.cbsr_linear_backward,
+                          (grad_out, values.detach(), indices, weight.detach(), 24, *need,
+                           backend)))
+    return cases
+
+
+def _case_id(case):
+    return case[0].name
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_op_passes_opcheck(backend):
+    tests = OPCHECKS if backend != "numba" or ON_GPU else OPCHECKS[:3]
+    covered = set()
+    for op, args in op_cases(backend):
+        torch.library.opcheck(op.op, args, test_utils=tests)
+        covered.add(op)
+    assert covered == set(lib.ALL_OPS)
+
+
+def _metadata(out):
+    outs = out if isinstance(out, tuple) else (out,)
+    return [(t.shape, t.dtype, t.device) for t in outs]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_fake_implementations_report_the_real_metadata(backend, dtype):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    if backend == "numba" and dtype == torch.float64:
+        pytest.skip("the numba backend takes no float64 (a BackendError)")
+    if backend == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("the cpu backend takes no bfloat16 (a BackendError)")
+    for op, args in op_cases(backend, dtype):
+        real = op.op(*args)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+                         for a in args]
+            fake = op.op(*fake_args)
+        assert _metadata(fake) == _metadata(real), op.name
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_eager_calls_match_the_dispatcher(backend):
+    # Eager mode skips the torch.library dispatcher (an autograd Function
+    # around the same code); torch.compile sees the custom op. Same results,
+    # forward and backward.
+    for op, args in op_cases(backend):
+        results = []
+        for call in (op, op.op):
+            inputs = [a.detach().clone().requires_grad_(a.requires_grad)
+                      if isinstance(a, torch.Tensor) else a for a in args]
+            out = call(*inputs)
+            outs = out if isinstance(out, tuple) else (out,)
+            floats = [o for o in outs if o.is_floating_point() and o.requires_grad]
+            if floats:
+                sum(o.sum() * 0.5 + (o * o).sum() for o in floats).backward()
+            grads = [a.grad for a in inputs if isinstance(a, torch.Tensor) and a.requires_grad]
+            results.append((outs, grads))
+        (eager, eager_grads), (dispatched, dispatched_grads) = results
+        for a, b in zip(eager + tuple(eager_grads), dispatched + tuple(dispatched_grads)):
+            # The numba backward's atomics add in no fixed order.
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=op.name)
+
+
+def test_the_requested_backend_travels_with_the_backward():
+    # The backward runs the forward's choice, even where autograd runs it on
+    # another thread (whose ContextVar holds no override).
+    calls = []
+    from pyg_maxk.ops import torch_ops
+    original = torch_ops.sspmm
+    torch_ops.sspmm = lambda *a: calls.append("sspmm") or original(*a)
+    try:
+        graph = _graph(8, 8, 20, "sum")
+        values, indices = _cbsr(8, 16, 3)
+        with pyg_maxk.use_backend("torch"):
+            out = pyg_maxk.aggregate(graph, pyg_maxk.CBSR(values, indices, 16))
+        out.sum().backward()  # outside the context
+    finally:
+        torch_ops.sspmm = original
+    assert calls == ["sspmm"]
