@@ -5,6 +5,7 @@
     python benchmarks/train.py --graphs reddit --models sage --k 8,32
     python benchmarks/train.py --device cpu --graphs reddit --scale 0.02 --forms edge_index,csr
     python benchmarks/train.py --graphs products --models sage --tf32   # TF32 matmuls, both sides
+    python benchmarks/train.py --graphs cora --compile default,reduce-overhead
 
 For every graph and model (SAGE, GCN, GIN: an input linear map, L convs of
 width 256, an output linear map, Adam) it times one training epoch (forward,
@@ -17,7 +18,16 @@ cross-entropy, backward, optimizer step)
   the CSR run): the time spent outside message passing, from which the
   Amdahl limit ``stock epoch / outside time`` follows;
 * of the MaxK model (the same model with MaxK convs), after checking that its
-  output matches the ``"torch"`` backend's.
+  output matches the ``"torch"`` backend's;
+* with ``--compile MODES``, of both models under ``torch.compile(model,
+  mode=MODE)`` for each mode (``default``, ``reduce-overhead``: CUDA graphs):
+  the stock model with ``edge_index`` (the form dynamo compiles), the MaxK
+  model on a graph prepared by :class:`pyg_maxk.ToCSRGraph` with
+  ``fullgraph=True``; each after checking that the compiled model's output
+  and gradients match eager's, and with its first (compiling) step timed.
+
+Stock GCN runs with ``cached=True`` (its normalised graph computed once, as a
+full-batch PyG user writes it), as the MaxK GCN caches its graph.
 
 On small graphs (:data:`HOST_BOUND`: the Cora-sized one) an epoch is a few
 milliseconds of host time, which drifts by tens of percent between runs a
@@ -53,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pyg_maxk  # noqa: E402
 from pyg_maxk import clear_graph_cache  # noqa: E402
-from pyg_maxk.backend import resolve_backend  # noqa: E402
+from pyg_maxk.dispatch import resolve_backend  # noqa: E402
 from pyg_maxk.datasets import PRESETS, power_law_edge_index  # noqa: E402
 from pyg_maxk.nn import MaxKGCN, MaxKGIN, MaxKGraphSAGE  # noqa: E402
 from pyg_maxk.training import flush_denormals  # noqa: E402
@@ -62,6 +72,9 @@ from common import (RESULTS, environment, pyplot, rel_error, time_interleaved,  
                     time_ms, write_json)
 
 MODELS = {"sage": MaxKGraphSAGE, "gcn": MaxKGCN, "gin": MaxKGIN}
+#: Each model's conv arguments (both sides) and the normalisation of its graph.
+CONV_KWARGS = {"sage": {}, "gcn": {"cached": True}, "gin": {}}
+NORMALIZATION = {"sage": "mean", "gcn": "gcn", "gin": "sum"}
 #: Graph shape and model depth of each workload (the MaxK-GNN paper's models).
 WORKLOADS = {
     "reddit": ("reddit-like", 4),
@@ -90,6 +103,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default=None)
     p.add_argument("--tf32", action="store_true",
                    help="allow TF32 in float32 matmuls (both sides; default: IEEE float32)")
+    p.add_argument("--compile", default="",
+                   help="torch.compile modes to time too, e.g. default,reduce-overhead")
     p.add_argument("--out", default=str(RESULTS))
     return p.parse_args(argv)
 
@@ -131,8 +146,10 @@ def adjacency(form: str, edge_index: torch.Tensor, n: int):
     raise ValueError(form)
 
 
-def epoch_fn(model, opt, x, adj, y):
+def epoch_fn(model, opt, x, adj, y, cudagraphs: bool = False):
     def step():
+        if cudagraphs:  # a new iteration of CUDA-graph replays
+            torch.compiler.cudagraph_mark_step_begin()
         opt.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(x, adj), y)
         loss.backward()
@@ -150,10 +167,24 @@ def time_epoch(model, x, adj, y, device, repeats) -> Dict[str, object]:
         gc.collect()
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+    first_s = _first_call_s(step, device)
     t = time_ms(step, device, warmup=2, repeats=repeats)
+    t["first_call_s"] = first_s
     if device.type == "cuda":
         t["peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
     return t
+
+
+def _first_call_s(step, device) -> float:
+    """Seconds of ``step``'s first call (kernel compilation included)."""
+    import time
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
 
 
 def guarded(fn, what: str) -> Dict[str, object]:
@@ -191,7 +222,60 @@ def check_maxk_output(model, x, adj) -> float:
     return rel_error(out, ref)
 
 
-def run_workload(name: str, models, forms, ks, device, repeats, scale) -> Dict[str, object]:
+def prepared_graph(kind: str, edge_index, n: int, k: int):
+    """The MaxK model's graph, built outside the model (no graph break)."""
+    from torch_geometric.data import Data
+    return pyg_maxk.ToCSRGraph(NORMALIZATION[kind], k=k)(
+        Data(edge_index=edge_index, num_nodes=n)).adj_t
+
+
+def compiled_step(model, x, adj, y, mode: str):
+    """An epoch step of ``torch.compile(model, mode=mode)`` (fullgraph on a
+    prepared MaxK graph), after checking that the compiled model's output
+    and gradients equal eager's; returns (step, seconds of its first call)."""
+    import time
+    torch._dynamo.reset()
+    fullgraph = isinstance(adj, pyg_maxk.CSRGraph)
+    compiled = torch.compile(model, mode=None if mode == "default" else mode,
+                             fullgraph=fullgraph)
+    cudagraphs = mode == "reduce-overhead"
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    step = epoch_fn(compiled, opt, x, adj, y, cudagraphs)
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    check_compiled(model, compiled, x, adj, y, cudagraphs)
+    sync()
+    return step, time.perf_counter() - start  # includes one eager step (the check)
+
+
+def check_compiled(model, compiled, x, adj, y, cudagraphs: bool) -> None:
+    """The compiled model's loss and gradients against eager's (the first
+    call compiles)."""
+    grads = []
+    for m in (model, compiled):
+        if cudagraphs and m is compiled:
+            torch.compiler.cudagraph_mark_step_begin()
+        model.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(m(x, adj), y)
+        loss.backward()
+        grads.append([loss.detach().clone()] + [p.grad.clone() for p in model.parameters()])
+    model.zero_grad(set_to_none=True)
+    errors = [rel_error(a, b) for a, b in zip(*grads)]
+    # Inductor fuses and reorders float32 sums; a deep model's MaxK may then
+    # pick the other of two nearly equal entries (see MODEL_RTOL).
+    assert max(errors) < MODEL_RTOL, f"compiled model differs from eager ({max(errors):.2g})"
+
+
+def time_compiled(model, x, adj, y, device, repeats, mode) -> Dict[str, object]:
+    step, first_s = compiled_step(model, x, adj, y, mode)
+    t = time_ms(step, device, warmup=3, repeats=repeats)
+    t["first_call_s"] = first_s
+    return t
+
+
+def run_workload(name: str, models, forms, ks, device, repeats, scale,
+                 compile_modes=()) -> Dict[str, object]:
     preset, layers = WORKLOADS[name]
     data = make_graph(preset, device, scale)
     n, ei, x, y = data["num_nodes"], data["edge_index"], data["x"], data["y"]
@@ -207,7 +291,8 @@ def run_workload(name: str, models, forms, ks, device, repeats, scale) -> Dict[s
 
         def stock_model():
             torch.manual_seed(0)
-            return cls(x.size(1), HIDDEN, layers, data["num_classes"], k=None).to(device)
+            return cls(x.size(1), HIDDEN, layers, data["num_classes"], k=None,
+                       **CONV_KWARGS[kind]).to(device)
 
         for form in forms:
             reason = messages_fit(form, ei.size(1), device)
@@ -225,7 +310,8 @@ def run_workload(name: str, models, forms, ks, device, repeats, scale) -> Dict[s
         _report(kind, "stock, no edges", entry["stock_outside_mp"])
         for k in ks:
             torch.manual_seed(0)
-            model = cls(x.size(1), HIDDEN, layers, data["num_classes"], k=k).to(device)
+            model = cls(x.size(1), HIDDEN, layers, data["num_classes"], k=k,
+                        **CONV_KWARGS[kind]).to(device)
             clear_graph_cache()
             err = check_maxk_output(model, x, ei)
             clear_graph_cache()  # drop the reference backend's torch CSR copy
@@ -238,10 +324,24 @@ def run_workload(name: str, models, forms, ks, device, repeats, scale) -> Dict[s
             t["rel_error_vs_torch_backend"] = err
             entry["maxk"][str(k)] = t
             _report(kind, f"MaxK k={k}", t)
+        for mode in compile_modes:
+            entry["stock"][f"compiled {mode}"] = guarded(
+                lambda: time_compiled(stock_model(), x, ei, y, device, repeats, mode),
+                f"{kind} stock compiled {mode}")
+            _report(kind, f"stock compiled {mode}", entry["stock"][f"compiled {mode}"])
+            for k in ks:
+                torch.manual_seed(0)
+                model = cls(x.size(1), HIDDEN, layers, data["num_classes"], k=k,
+                            **CONV_KWARGS[kind]).to(device)
+                adj = prepared_graph(kind, ei, n, k)
+                t = time_compiled(model, x, adj, y, device, repeats, mode)
+                entry["maxk"][f"{k} compiled {mode}"] = t
+                _report(kind, f"MaxK k={k} compiled {mode}", t)
         if name in HOST_BOUND:
-            ran = [form for form, t in entry["stock"].items() if "median_ms" in t]
+            ran = [form for form in forms if "median_ms" in entry["stock"].get(form, {})]
             entry["interleaved"] = time_side_by_side(
-                cls, data, layers, ran, ks, device, rounds=max(3, 6 * repeats))
+                kind, data, layers, ran, ks, device, rounds=max(3, 6 * repeats),
+                compile_modes=compile_modes)
         summarise(entry)
         result["models"][kind] = entry
     del data, ei, x, y
@@ -251,22 +351,33 @@ def run_workload(name: str, models, forms, ks, device, repeats, scale) -> Dict[s
     return result
 
 
-def time_side_by_side(cls, data, layers, forms, ks, device, rounds) -> Dict[str, object]:
-    """Epochs of the stock model in ``forms`` and of the MaxK models, timed
-    round-robin (:func:`~common.time_interleaved`)."""
+def time_side_by_side(kind, data, layers, forms, ks, device, rounds,
+                      compile_modes=()) -> Dict[str, object]:
+    """Epochs of the stock model in ``forms`` and of the MaxK models (and of
+    both compiled in ``compile_modes``), timed round-robin
+    (:func:`~common.time_interleaved`)."""
+    cls = MODELS[kind]
     n, ei, x, y = data["num_nodes"], data["edge_index"], data["x"], data["y"]
-    steps = {}
-    for form in forms:
-        adj = adjacency(form, ei, n)
+
+    def model(k):
         torch.manual_seed(0)
-        model = cls(x.size(1), HIDDEN, layers, data["num_classes"], k=None).to(device)
-        steps[f"stock {form}"] = epoch_fn(model, torch.optim.Adam(model.parameters(), lr=0.01),
-                                          x, adj, y)
+        return cls(x.size(1), HIDDEN, layers, data["num_classes"], k=k,
+                   **CONV_KWARGS[kind]).to(device)
+
+    def eager(m, adj):
+        return epoch_fn(m, torch.optim.Adam(m.parameters(), lr=0.01), x, adj, y)
+
+    steps = {f"stock {form}": eager(model(None), adjacency(form, ei, n)) for form in forms}
     for k in ks:
-        torch.manual_seed(0)
-        model = cls(x.size(1), HIDDEN, layers, data["num_classes"], k=k).to(device)
-        steps[f"maxk k={k}"] = epoch_fn(model, torch.optim.Adam(model.parameters(), lr=0.01),
-                                        x, ei, y)
+        steps[f"maxk k={k}"] = eager(model(k), ei)
+    for mode in compile_modes:
+        stock = guarded(lambda: compiled_step(model(None), x, ei, y, mode)[0],
+                        f"stock compiled {mode}")
+        if callable(stock):
+            steps[f"stock compiled {mode}"] = stock
+        for k in ks:
+            steps[f"maxk k={k} compiled {mode}"] = compiled_step(
+                model(k), x, prepared_graph(kind, ei, n, k), y, mode)[0]
     times = guarded(lambda: time_interleaved(steps, device, rounds=rounds), "interleaved")
     for label, t in times.items():
         if isinstance(t, dict):
@@ -296,8 +407,14 @@ def summarise(entry) -> None:
                   if label.startswith("stock ") and isinstance(t, dict)}
     for k, m in entry["maxk"].items():
         t = side.get(f"maxk k={k}")
-        if isinstance(t, dict):
+        if isinstance(t, dict) and "median_ms" in m:
             m["speedup_interleaved"] = {form: s / t["median_ms"] for form, s in stock_side.items()}
+    for k, m in entry["maxk"].items():
+        for key, by_form in (("vs_fastest_stock", m.get("speedup")),
+                             ("vs_fastest_stock_interleaved", m.get("speedup_interleaved"))):
+            if by_form:  # the slowest-to-beat stock form is the one with the least speedup
+                form = min(by_form, key=by_form.get)
+                m[key] = {"form": form, "speedup": by_form[form]}
     if outside:
         entry["amdahl_limit"] = {form: s["median_ms"] / outside
                                  for form, s in entry["stock"].items() if "median_ms" in s}
@@ -314,6 +431,7 @@ def main(argv=None):
     models = args.models.split(",")
     forms = args.forms.split(",")
     ks = [int(k) for k in args.k.split(",")]
+    compile_modes = [m for m in args.compile.split(",") if m]
     if device.type == "cpu":  # for both sides, before torch's threads start
         flush_denormals(device)
     torch.backends.cuda.matmul.allow_tf32 = args.tf32
@@ -322,10 +440,13 @@ def main(argv=None):
                "float32_matmul": "tf32" if args.tf32 else "ieee",
                "workloads": {}}
     for name in graphs:
-        payload["workloads"][name] = run_workload(name, models, forms, ks, device, repeats, scale)
+        payload["workloads"][name] = run_workload(name, models, forms, ks, device, repeats, scale,
+                                                  compile_modes)
     name = "train-tiny" if args.tiny else ("train" if device.type == "cuda" else "train-cpu")
     if args.tf32:
         name += "-tf32"
+    if compile_modes and not args.tiny:
+        name += "-compile"
     out_dir = Path(args.out)
     path = write_json(name, payload, out_dir)
     plot(payload, out_dir / f"{name}.png")
