@@ -58,7 +58,8 @@ def test_cbsr_linear_kernel_many_rows(monkeypatch, dim, out_features):
     # a partial last tile (47, 41, 100 columns); the widest W^T tile (368,
     # where k=184 no longer fits: the dense path). Sums of up to 184 float32
     # terms: elementwise within 1e-4, as the SpGEMM checks above.
-    monkeypatch.setattr(numba_ops, "linear_pays", lambda dim, k: True)
+    monkeypatch.setattr(pyg_maxk.dispatch, "_linear_pays", lambda dim, k: True)
+    pyg_maxk.dispatch.clear_decisions()
     for k in sorted({1, 7, 8, 32, dim // 2}):
         check_cbsr_linear(random_cbsr(150_000, dim, k, seed=k), out_features, bias=k % 2 == 1,
                           seed=k, expect_kernel=numba_ops.supports_linear(dim, k),
@@ -125,12 +126,18 @@ def test_maxk_select_counts_agree_with_and_without_redux(dim, k):
 @pytest.mark.parametrize("dim", [64, 256, 1000, 3072, 3073])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_to_dense_kernel_power_law_rows(dim, dtype):
-    # 3072 is the widest row the kernel's shared memory takes; 3073 scatters.
+    # 3072 is the widest row the kernel's shared memory takes; 3073 is an
+    # error under the forced numba backend and a scatter under "auto".
+    fits = numba_ops.supports_to_dense(dim)
     for k in sorted({1, 32, dim // 2, dim - 1}):
         h = random_cbsr(20_000, dim, k, seed=k, dtype=dtype)
         values = h.values.clone().requires_grad_()
         poison_allocator(1 << 28)
-        with pyg_maxk.use_backend("numba"):
+        if not fits:
+            with pyg_maxk.use_backend("numba"), pytest.raises(pyg_maxk.BackendError,
+                                                              match="densify kernel"):
+                h.to_dense()
+        with pyg_maxk.use_backend("numba" if fits else "auto"):
             dense = h.with_values(values).to_dense()
         assert dense.dtype == dtype
         torch.testing.assert_close(dense, dense_reference(h), rtol=0, atol=0)
