@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pyg_maxk.datasets import load_dataset  # noqa: E402
+from pyg_maxk.datasets import DatasetUnavailable, load_dataset  # noqa: E402
 from pyg_maxk.training import TrainConfig, train_full_batch  # noqa: E402
 
 from common import RESULTS, environment, pyplot, write_json  # noqa: E402
@@ -54,7 +54,10 @@ def main(argv=None):
         datasets, models, ks = ["small"], ["sage"], ks[:1]
     rows = []
     for name in datasets:
-        task = load_dataset(name, args.root, seed=0)
+        try:
+            task = load_dataset(name, args.root, seed=0)
+        except DatasetUnavailable as err:  # no files and no network: the CLI's message
+            raise SystemExit(f"accuracy.py: error: {err}") from None
         for model in models:
             runs = {}
             for k in [None] + ks:

@@ -177,3 +177,34 @@ def plot_ms_against_k(rows, series, title: str, path) -> None:
 def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+def check_against_torch_backend(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor],
+                                rtol: float) -> float:
+    """The largest norm-relative difference, over the loss and every
+    parameter's gradient, of one training-mode step of ``model`` (``loss_fn``
+    runs its forward and returns the loss) on the active backend against the
+    ``"torch"`` reference backend; raises when it exceeds ``rtol``. The
+    gradients are left zeroed."""
+    import pyg_maxk
+
+    runs = []
+    for backend in (None, "torch"):
+        model.zero_grad(set_to_none=True)
+        if backend is None:
+            loss = loss_fn()
+        else:
+            with pyg_maxk.use_backend(backend):
+                loss = loss_fn()
+        loss.backward()
+        runs.append([loss.detach()] + [p.grad.detach().clone() for p in model.parameters()
+                                        if p.grad is not None])
+    model.zero_grad(set_to_none=True)
+    ours, ref = runs
+    if len(ours) != len(ref):
+        raise AssertionError("the backends give gradients to different parameters")
+    err = max(rel_error(a, b) for a, b in zip(ours, ref))
+    if not err < rtol:
+        raise AssertionError(f"MaxK loss or gradients differ from the torch backend's by "
+                             f"{err:.3g} (limit {rtol:g})")
+    return err

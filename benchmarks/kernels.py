@@ -4,12 +4,17 @@ stock backward of the same aggregation, and torch.topk.
     python benchmarks/kernels.py            # Reddit-shaped graph on a GPU
     python benchmarks/kernels.py --tiny     # CPU smoke run (CI)
 
-Every MaxK output is checked against the torch backend before it is timed.
+Every MaxK output (select, SpGEMM, SSpMM, linear) is checked against the
+torch backend (float64 for the linear map) before it is timed. ``--tiny``
+runs the ``"cpu"`` backend's kernels and the ``"numba"`` kernels in Numba's
+simulator on a 100-node graph; ``stock_spmm`` is cuSPARSE on a GPU and
+``torch.sparse`` on a CPU.
 Writes benchmarks/results/kernels[-tiny].json and kernels[-tiny].png.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -41,10 +46,14 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     if args.tiny:
+        # The CPU kernels, and the CUDA kernels in Numba's simulator (slow:
+        # a tiny graph, no warm-up), against the torch backend.
+        os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
         device = torch.device("cpu")
-        nodes, edges, max_deg = args.nodes or 2000, args.edges or 20000, args.max_degree or 500
-        ks, dims, repeats = [4, 16], [64], 2
-        backends = ["torch"]
+        global WARMUP
+        nodes, edges, max_deg = args.nodes or 100, args.edges or 500, args.max_degree or 50
+        ks, dims, repeats, WARMUP = [4], [64], 1, 0
+        backends = ["cpu", "numba"]
     else:
         device = torch.device("cuda")
         reddit = PRESETS["reddit-like"]
@@ -66,72 +75,42 @@ def main(argv=None):
     print(f"graph: {nodes} nodes, {graph.num_edges} edges, max in-degree "
           f"{int(graph.in_degree().max())}, build {t_build['median_ms']:.1f} ms", flush=True)
 
+    stock = "cuSPARSE" if device.type == "cuda" else "torch.sparse (CPU)"
     rows = []
     for dim in dims:
         x = torch.randn(nodes, dim, device=device)
         grad = torch.randn(nodes, dim, device=device)
-        dense_t = time_ms(lambda: torch.sparse.mm(a_csr, x), device, repeats=repeats)
-        dense_bwd = time_ms(lambda: torch.sparse.mm(a_t, grad), device, repeats=repeats)
+        dense_t = timed(lambda: torch.sparse.mm(a_csr, x), device, repeats=repeats)
+        dense_bwd = timed(lambda: torch.sparse.mm(a_t, grad), device, repeats=repeats)
         for k in ks:
             if k >= dim:
                 continue
             with pyg_maxk.use_backend("torch"):
                 ref = pyg_maxk.maxk(x, k)
                 ref_out = pyg_maxk.aggregate(graph, ref)
-            row = {"dim": dim, "k": k, "cusparse_spmm": dense_t, "stock_backward": dense_bwd}
+            topk = timed(lambda: torch.topk(x, k, dim=1), device, repeats=repeats)
             for backend in backends:
-                with pyg_maxk.use_backend(backend):
-                    h = pyg_maxk.maxk(x, k)
-                    # Same values (the kernel writes them in bank-major order); tied
-                    # columns may differ from torch.topk's pick.
-                    kept = h.values.sort(dim=1, descending=True).values
-                    assert torch.equal(kept, ref.values), "maxk mismatch"
-                    out = pyg_maxk.aggregate(graph, h)
-                    row["spgemm_rel_error"] = rel_error(out, ref_out)
-                    assert row["spgemm_rel_error"] < 1e-4, row
-                    row["maxk_spgemm"] = time_ms(lambda: pyg_maxk.aggregate(graph, h), device,
-                                                 repeats=repeats)
-                    if backend == "numba":
-                        from pyg_maxk.ops import numba_ops
-                        s = graph.schedule(numba_ops.max_edges_per_item(k))
-                        col = graph.kernel_col()
-                        w, row_scale = numba_ops.kernel_weights(graph)
-                        gv = numba_ops.sspmm_op(s.row, s.start, s.end, col, w, row_scale,
-                                                h.indices, grad, nodes)
-                        ref_gv = torch.sparse.mm(a_t, grad).gather(1, h.long_indices())
-                        row["sspmm_rel_error"] = rel_error(gv, ref_gv)
-                        assert row["sspmm_rel_error"] < 1e-4, row
-                        row["maxk_sspmm"] = time_ms(
-                            lambda: numba_ops.sspmm_op(s.row, s.start, s.end, col, w, row_scale,
-                                                       h.indices, grad, nodes),
-                            device, repeats=repeats)
-                        row["maxk_select"] = time_ms(lambda: pyg_maxk.maxk(x, k), device,
-                                                     repeats=repeats)
-                        if numba_ops.supports_linear(dim, k):
-                            row.update(time_linear(h, dim, device, repeats))
-                    else:
-                        row["maxk_select"] = time_ms(lambda: pyg_maxk.maxk(x, k), device,
-                                                     repeats=repeats)
-            row["torch_topk"] = time_ms(lambda: torch.topk(x, k, dim=1), device, repeats=repeats)
-            row["speedup_spgemm"] = dense_t["median_ms"] / row["maxk_spgemm"]["median_ms"]
-            if "maxk_sspmm" in row:
+                row = {"dim": dim, "k": k, "stock_spmm": dense_t, "stock_backward": dense_bwd,
+                       "torch_topk": topk}
+                row.update(time_backend(backend, graph, x, grad, k, ref, ref_out, a_t, device,
+                                        repeats))
+                row["speedup_spgemm"] = dense_t["median_ms"] / row["maxk_spgemm"]["median_ms"]
                 row["speedup_sspmm"] = dense_bwd["median_ms"] / row["maxk_sspmm"]["median_ms"]
-            rows.append(row)
-            print(f"dim {dim:4d} k {k:4d}: cuSPARSE {dense_t['median_ms']:8.3f} ms | "
-                  f"SpGEMM {row['maxk_spgemm']['median_ms']:8.3f} ms "
-                  f"({row['speedup_spgemm']:.2f}x) | "
-                  + (f"stock bwd {dense_bwd['median_ms']:8.3f} ms | SSpMM "
-                     f"{row['maxk_sspmm']['median_ms']:8.3f} ms ({row['speedup_sspmm']:.2f}x) | "
-                     if "maxk_sspmm" in row else "")
-                  + f"select {row['maxk_select']['median_ms']:.3f} ms vs topk "
-                  f"{row['torch_topk']['median_ms']:.3f} ms"
-                  + (f" | linear {row['maxk_linear']['median_ms']:.3f} ms vs dense "
-                     f"{row['dense_linear']['median_ms']:.3f} ms" if "maxk_linear" in row else ""),
-                  flush=True)
+                rows.append(row)
+                print(f"dim {dim:4d} k {k:4d} [{backend}]: {stock} {dense_t['median_ms']:8.3f} "
+                      f"ms | SpGEMM {row['maxk_spgemm']['median_ms']:8.3f} ms "
+                      f"({row['speedup_spgemm']:.2f}x) | stock bwd {dense_bwd['median_ms']:8.3f}"
+                      f" ms | SSpMM {row['maxk_sspmm']['median_ms']:8.3f} ms "
+                      f"({row['speedup_sspmm']:.2f}x) | select {row['maxk_select']['median_ms']:.3f}"
+                      f" ms vs topk {topk['median_ms']:.3f} ms"
+                      + (f" | linear {row['maxk_linear']['median_ms']:.3f} ms vs dense "
+                         f"{row['dense_linear']['median_ms']:.3f} ms" if "maxk_linear" in row
+                         else ""), flush=True)
         del x, grad
 
     name = "kernels-tiny" if args.tiny else "kernels"
     payload = {"benchmark": "kernels", "environment": environment(device),
+               "stock_spmm": stock, "backends": backends,
                "graph": {"nodes": nodes, "edges": graph.num_edges,
                          "max_in_degree": int(graph.in_degree().max()),
                          "build_ms": t_build["median_ms"]},
@@ -139,23 +118,67 @@ def main(argv=None):
     save(name, payload, args.out, lambda png, hardware: plot(rows, png, hardware))
 
 
-def time_linear(h, dim: int, device, repeats: int) -> dict:
-    """The CBSR linear kernel (SAGE's root term, ``dim -> dim``) against
-    densify + F.linear, checked against float64 first. Timed wherever the
-    kernel fits, also where the layers pick the dense path."""
+#: Untimed calls before each timing (none in the simulator's smoke run, where
+#: a call takes seconds).
+WARMUP = 3
+
+
+def timed(fn, device, repeats: int) -> dict:
+    return time_ms(fn, device, warmup=WARMUP, repeats=repeats)
+
+
+def time_backend(backend: str, graph, x, grad, k, ref, ref_out, a_t, device,
+                 repeats) -> dict:
+    """Select, SpGEMM, SSpMM and (where its kernel takes the shape) the CBSR
+    linear map of one backend (``"numba"`` or ``"cpu"``), each checked
+    against the torch backend (``ref``, ``ref_out``) before it is timed."""
+    from pyg_maxk.ops import _library as lib
+    nodes, dim = x.shape
+    row = {"backend": backend}
+    with pyg_maxk.use_backend(backend):
+        h = pyg_maxk.maxk(x, k)
+        # Same values (the kernels write them in their own order); tied
+        # columns may differ from torch.topk's pick.
+        kept = h.values.sort(dim=1, descending=True).values
+        assert torch.equal(kept, ref.values), f"{backend}: maxk differs from torch.topk"
+        out = pyg_maxk.aggregate(graph, h)
+        row["spgemm_rel_error"] = rel_error(out, ref_out)
+        assert row["spgemm_rel_error"] < 1e-4, row
+        row["maxk_spgemm"] = timed(lambda: pyg_maxk.aggregate(graph, h), device,
+                                     repeats=repeats)
+        row["maxk_select"] = timed(lambda: pyg_maxk.maxk(x, k), device, repeats=repeats)
+    operands = graph.operands(k)
+    gv = lib.sspmm(*operands, h.indices, grad, nodes, backend)
+    ref_gv = torch.sparse.mm(a_t, grad).gather(1, h.long_indices())
+    row["sspmm_rel_error"] = rel_error(gv, ref_gv)
+    assert row["sspmm_rel_error"] < 1e-4, row
+    row["maxk_sspmm"] = timed(lambda: lib.sspmm(*operands, h.indices, grad, nodes, backend),
+                                device, repeats=repeats)
     from pyg_maxk.ops import numba_ops
+    if backend == "cpu" or numba_ops.supports_linear(dim, k):
+        row.update(time_linear(h, dim, device, repeats, backend))
+    return row
+
+
+def time_linear(h, dim: int, device, repeats: int, backend: str) -> dict:
+    """The CBSR linear kernel of ``backend`` (SAGE's root term, ``dim ->
+    dim``) against densify + F.linear, checked against float64 first. Timed
+    wherever the kernel takes the shape, also where the layers pick the
+    dense path (``linear_picked`` says which they pick)."""
+    from pyg_maxk.ops import cpu_ops, numba_ops
+    impl = {"numba": numba_ops, "cpu": cpu_ops}[backend].cbsr_linear
     g = torch.Generator(device=device).manual_seed(dim)
     weight = torch.randn(dim, dim, device=device, generator=g) / dim ** 0.5
     bias = torch.randn(dim, device=device, generator=g)
-    out = numba_ops.cbsr_linear(h.values, h.indices, dim, weight, bias)
+    out = impl(h.values, h.indices, dim, weight, bias)
     ref = torch.nn.functional.linear(h.to_dense().double(), weight.double(), bias.double())
-    row = {"linear_rel_error": rel_error(out, ref),
-           "linear_picked": numba_ops.prefers_linear(h.num_rows, dim, h.k)}
+    with pyg_maxk.use_backend(backend):
+        picked = pyg_maxk.ops.linear_backend(h, weight, bias)
+    row = {"linear_rel_error": rel_error(out, ref), "linear_picked": picked == backend}
     assert row["linear_rel_error"] < 1e-5, row
-    row["maxk_linear"] = time_ms(
-        lambda: numba_ops.cbsr_linear(h.values, h.indices, dim, weight, bias), device,
-        repeats=repeats)
-    row["dense_linear"] = time_ms(
+    row["maxk_linear"] = timed(lambda: impl(h.values, h.indices, dim, weight, bias), device,
+                                 repeats=repeats)
+    row["dense_linear"] = timed(
         lambda: torch.nn.functional.linear(h.to_dense(), weight, bias), device, repeats=repeats)
     row["speedup_linear"] = row["dense_linear"]["median_ms"] / row["maxk_linear"]["median_ms"]
     return row
@@ -166,13 +189,15 @@ def plot(rows, path, hardware):
     if plt is None:
         return
     fig, axes = plt.subplots(1, 3, figsize=(16, 4))
-    for key, ax, title in (("speedup_spgemm", axes[0], "forward SpGEMM vs cuSPARSE SpMM"),
+    for key, ax, title in (("speedup_spgemm", axes[0], "forward SpGEMM vs stock SpMM"),
                            ("speedup_sspmm", axes[1], "backward SSpMM vs stock backward"),
                            ("speedup_linear", axes[2], "SAGE root linear vs densify + GEMM")):
-        for dim in sorted({r["dim"] for r in rows}):
-            pts = [(r["k"], r[key]) for r in rows if r["dim"] == dim and key in r]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=f"dim {dim}")
+        for backend in sorted({r["backend"] for r in rows}):
+            for dim in sorted({r["dim"] for r in rows}):
+                pts = [(r["k"], r[key]) for r in rows
+                       if r["dim"] == dim and r["backend"] == backend and key in r]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=f"{backend}, dim {dim}")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("k")
         ax.set_ylabel("speedup (x)")

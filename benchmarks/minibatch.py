@@ -28,7 +28,11 @@ from pyg_maxk.datasets import load_dataset  # noqa: E402
 from pyg_maxk.nn import MaxKGraphSAGE  # noqa: E402
 from pyg_maxk.training import TrainConfig, neighbor_loader  # noqa: E402
 
-from common import RESULTS, environment, pyplot, save, time_ms  # noqa: E402
+from common import (RESULTS, check_against_torch_backend, environment, pyplot, save,  # noqa: E402
+                    time_ms)
+
+#: Relative tolerance of a MaxK model's loss and gradients against the torch backend.
+MODEL_RTOL = 2e-3
 
 
 def parse_args(argv=None):
@@ -79,6 +83,11 @@ def main(argv=None):
         model = MaxKGraphSAGE(data.num_features, args.hidden, len(fanout), task.num_classes,
                               k=k).to(device)
         opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        if k is not None:  # checked before timing: loss and gradients of two batches
+            for b in batches[:2]:
+                result["rel_error_vs_torch_backend"] = check_against_torch_backend(
+                    model, lambda b=b: F.cross_entropy(model(b.x, b.edge_index)[:b.batch_size],
+                                                       b.y[:b.batch_size]), MODEL_RTOL)
 
         def steps():
             for b in batches:

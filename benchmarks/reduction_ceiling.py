@@ -80,14 +80,12 @@ def main(argv=None):
     a_t = graph.torch_csr(torch.float32).t().to_sparse_csr()
     stock_ms = time_ms(lambda: torch.sparse.mm(a_t, grad_out), device,
                        repeats=repeats)["median_ms"]
-    weight, row_scale = numba_ops.kernel_weights(graph)
     warmup = 1 if args.tiny else 3
     rows = []
     for k in ks:
         h = pyg_maxk.maxk(torch.randn(nodes, args.dim, device=device), k)
-        s = graph.schedule(numba_ops.max_edges_per_item(k))
-        sspmm_ms = time_ms(lambda: numba_ops.sspmm_op(s.row, s.start, s.end, col, weight,
-                                                      row_scale, h.indices, grad_out, nodes),
+        operands = graph.operands(k)
+        sspmm_ms = time_ms(lambda: numba_ops.sspmm(operands, h.indices, grad_out, nodes),
                            device, warmup=warmup, repeats=repeats)["median_ms"]
         width = sspmm_vector_width(k)
         row = {"k": k, "dim": args.dim, "slots_per_reduction": width,

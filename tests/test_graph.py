@@ -73,8 +73,20 @@ def test_cache_reuses_and_never_goes_stale():
 
 
 def test_cache_entries_die_with_their_tensors():
-    for i in range(20):
-        CSRGraph.from_adj(random_edge_index(8, 8, 20, seed=i), (8, 8))
+    import gc
+    live = random_edge_index(8, 8, 20, seed=0)
+    dead = random_edge_index(8, 8, 20, seed=1)
+    CSRGraph.from_adj(dead, (8, 8))
+    del dead
+    gc.collect()
+    CSRGraph.from_adj(live, (8, 8))  # a put purges the entries of dead tensors
+    # Two puts, far below the LRU's capacity: only the purge removes the first.
+    assert len(_CACHE) == 1 < _CACHE.capacity
+    hit = CSRGraph.from_adj(live, (8, 8))
+    assert CSRGraph.from_adj(live, (8, 8)) is hit
+    for _ in range(_CACHE.capacity + 3):  # live tensors: the LRU bounds the size
+        keep = random_edge_index(8, 8, 20, seed=2)
+        CSRGraph.from_adj(keep, (8, 8))
     assert len(_CACHE) <= _CACHE.capacity
     pyg_maxk.clear_graph_cache()
     assert len(_CACHE) == 0

@@ -9,7 +9,7 @@ from torch_geometric.nn import GCNConv, GINConv, SAGEConv
 import pyg_maxk
 from pyg_maxk.nn import MaxKGCNConv, MaxKGINConv, MaxKSAGEConv
 
-from helpers import FORMS, adjacency, assert_same_as_stock, random_edge_index
+from helpers import FORMS, adjacency, assert_same_as_stock, dense_maxk, random_edge_index
 
 N, F_IN, F_OUT, K = 14, 24, 8, 5
 
@@ -175,9 +175,11 @@ def test_bad_inputs_raise():
         gcn(_x(), ei, torch.rand(ei.size(1), requires_grad=True))
 
 
-def test_graph_built_once_across_layers_and_epochs():
-    from pyg_maxk.graph import _CACHE
+def test_graph_built_once_across_layers_and_epochs(monkeypatch):
+    import pyg_maxk.graph as graph_module
 
+    builds, build = [], graph_module._build
+    monkeypatch.setattr(graph_module, "_build", lambda *a: builds.append(1) or build(*a))
     ei = random_edge_index(N, N, 30)
     convs = [MaxKSAGEConv(F_IN, F_IN, k=K) for _ in range(3)]
     x = _x()
@@ -186,19 +188,35 @@ def test_graph_built_once_across_layers_and_epochs():
         for conv in convs:
             h = conv(h, ei)
         h.sum().backward()
-    assert len(_CACHE) == 1
+    assert len(builds) == 1  # 3 layers x 2 epochs, forward and backward: one build
+    ei[0, 0] = (ei[0, 0] + 1) % N  # an edit in place is a new graph
+    convs[0](x, ei)
+    assert len(builds) == 2
 
 
 def test_dropout_on_kept_values_only():
     conv = MaxKSAGEConv(F_IN, F_OUT, k=K, dropout=0.5, root_weight=False, bias=False)
+    stock = SAGEConv(F_IN, F_OUT, root_weight=False, bias=False)
+    stock.load_state_dict(conv.state_dict())
     ei = random_edge_index(N, N, 30)
+    x = _x()
     conv.eval()
-    a = conv(_x(), ei)
-    torch.testing.assert_close(a, conv(_x(), ei))  # no dropout in eval
+    torch.testing.assert_close(conv(x, ei), stock(dense_maxk(x, K), ei))  # no dropout in eval
     conv.train()
     torch.manual_seed(0)
-    b = conv(_x(), ei)
-    assert not torch.allclose(a, b)
+    with pyg_maxk.use_backend("torch"):  # the same order of kept values as below
+        out = conv(x, ei)
+    # The same draw on the kept values alone (the MaxK-GNN paper's dropout):
+    # zero or scaled by 1 / (1 - p) where MaxK keeps an entry, zero elsewhere.
+    torch.manual_seed(0)
+    with pyg_maxk.use_backend("torch"):
+        h = pyg_maxk.maxk(x, K, dropout=0.5, training=True)
+        kept = pyg_maxk.maxk(x, K)
+    assert torch.equal(h.indices, kept.indices)
+    dropped = h.values == 0
+    assert 0 < dropped.float().mean() < 1
+    torch.testing.assert_close(h.values[~dropped], 2 * kept.values[~dropped])
+    torch.testing.assert_close(out, stock(h.to_dense(), ei))
 
 
 @pytest.mark.parametrize("model_name", ["MaxKGraphSAGE", "MaxKGCN", "MaxKGIN"])
