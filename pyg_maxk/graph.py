@@ -149,6 +149,7 @@ class CSRGraph:
         self._schedules: Dict[int, WorkSchedule] = {}
         self._transposed: Optional[Tuple[Tensor, Tensor, Optional[Tensor]]] = None
         self._operands: Dict[int, GraphOperands] = {}
+        self._static = False  # operands marked as static inputs (prepare)
 
     # ------------------------------------------------------------------ info
     @property
@@ -181,6 +182,8 @@ class CSRGraph:
         graph.gcn_options = self.gcn_options
         for max_edges in self._operands:
             graph._build_operands(max_edges)
+        if self._static:
+            graph._mark_static()
         return graph
 
     #: ``(improved, add_self_loops)`` of the ``gcn_norm`` a ``"gcn"`` graph holds.
@@ -282,10 +285,16 @@ class CSRGraph:
         memory on every replay; a graph with other tensors re-records);
         returns ``self``."""
         for k in ks:
-            for t in self.operands(k):
+            self.operands(k)
+        self._mark_static()
+        return self
+
+    def _mark_static(self) -> None:
+        for operands in self._operands.values():
+            for t in operands:
                 if t is not None:
                     torch._dynamo.mark_static_address(t)
-        return self
+        self._static = True
 
     def _build_operands(self, max_edges: int) -> GraphOperands:
         schedule = self.schedule(max_edges)
