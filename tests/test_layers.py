@@ -250,3 +250,15 @@ def test_lazy_in_channels(kind):
     # Later calls fuse the bias and the root term into the GEMM: same result.
     torch.testing.assert_close(conv(_x(), ei), first)
     assert_same_as_stock(conv, make_pair(kind)[1], _x(), (ei,), K)
+
+
+@pytest.mark.parametrize("kind", ["sage", "gcn", "gin"])
+def test_an_explain_edge_mask_is_an_error_not_ignored(kind):
+    from torch_geometric.explain.algorithm.utils import clear_masks, set_masks
+    ours, _ = make_pair(kind)
+    ei = random_edge_index(N, N, 30)
+    set_masks(ours, torch.rand(ei.size(1), requires_grad=True), ei)
+    with pytest.raises(NotImplementedError, match="edge mask"):
+        ours(_x(), ei)
+    clear_masks(ours)
+    ours(_x(), ei)  # without a mask it runs

@@ -168,6 +168,7 @@ class MaxKConv(MessagePassing):
         other adjacency is looked up in (or built into) the graph cache
         outside the compiled graph: one graph break per conv call.
         """
+        self._check_no_explain_mask()
         options = self.graph_options()
         normalization = options.pop("normalization")
         sizes = self.resolve_size(adj, x_src, x_dst, size)
@@ -184,6 +185,17 @@ class MaxKConv(MessagePassing):
         return _cached_graph(adj, sizes, _kept(x_src, self.k),
                              edge_weight=edge_weight, normalization=normalization, dtype=dtype,
                              **options)
+
+    def _check_no_explain_mask(self) -> None:
+        # PyG's explainers multiply an edge mask into every message inside
+        # propagate(), which the sparse product does not call: running on
+        # would silently ignore the mask.
+        if self.explain and getattr(self, "_edge_mask", None) is not None:
+            raise NotImplementedError(
+                f"{self.__class__.__name__} cannot apply the edge mask of PyG's explain "
+                f"module yet (its sparse aggregation has no gradient w.r.t. edge "
+                f"values): explain the stock PyG model instead, e.g. with the same "
+                f"state dict loaded into torch_geometric.nn convs.")
 
     def _check_prepared(self, graph: CSRGraph, normalization: str,
                         edge_weight: Optional[Tensor], options: dict) -> None:
