@@ -262,3 +262,16 @@ def test_an_explain_edge_mask_is_an_error_not_ignored(kind):
         ours(_x(), ei)
     clear_masks(ours)
     ours(_x(), ei)  # without a mask it runs
+
+
+def test_models_ignore_edge_weights_where_their_stock_model_does():
+    # SAGE and GIN take no edge weights (as PyG's BasicGNN); GCN does.
+    from pyg_maxk.nn import MaxKGCN, MaxKGIN, MaxKGraphSAGE
+    ei = random_edge_index(N, N, 40)
+    weight = torch.rand(ei.size(1)) + 0.5
+    for cls, uses_weights in ((MaxKGraphSAGE, False), (MaxKGIN, False), (MaxKGCN, True)):
+        torch.manual_seed(0)
+        model = cls(F_IN, 16, 2, 3, k=K)
+        pyg_maxk.clear_graph_cache()
+        weighted, plain = model(_x(), ei, weight), model(_x(), ei)
+        assert torch.allclose(weighted, plain) != uses_weights, cls.__name__

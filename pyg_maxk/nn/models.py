@@ -100,7 +100,8 @@ class MaxKBasicGNN(torch.nn.Module):
             # Every conv aggregates over the same graph: resolve it once (one
             # graph break under torch.compile for a raw adjacency, none for a
             # CSRGraph), not once per conv.
-            edge_index = self.convs[0].graph_for(edge_index, x, x, edge_weight=edge_weight)
+            edge_index = self.convs[0].graph_for(
+                edge_index, x, x, edge_weight=edge_weight if self.supports_edge_weight else None)
             edge_weight = None
         for layer, conv in enumerate(self.convs):
             if not self.is_maxk:  # the stock baseline: ReLU + dropout
