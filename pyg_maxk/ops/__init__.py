@@ -16,11 +16,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..cbsr import CBSR, index_dtype_for
-from .. import dispatch
-from ..dispatch import MAX_SELECT_DIM, choose, get_backend  # noqa: F401
+from ..dispatch import get_backend
 from ..graph import CSRGraph
 from . import _library as lib
-from ._common import as_dtype  # noqa: F401
+from ._common import as_dtype
 
 
 def check_k(k: object) -> int:
@@ -144,8 +143,7 @@ def linear_backend(h: CBSR, weight: Tensor, bias: Tensor | None = None) -> str:
     under autocast, or with operands of different dtypes)."""
     if _linear_is_dense(h, weight, bias):
         return "dense"
-    return choose("linear", h.values, dim=h.dim, k=h.k,
-                  large=h.num_rows >= dispatch.LINEAR_MIN_ROWS)
+    return lib.linear_choice(get_backend(), h.values, h.dim)
 
 
 def _linear_is_dense(h: CBSR, weight: Tensor, bias: Tensor | None) -> bool:

@@ -241,7 +241,7 @@ spmm = KernelOp("spmm", _spmm, _spmm_fake, _spmm_setup, _spmm_backward)
 
 
 # ------------------------------------------------------------------ linear
-def _linear_backend(requested: str, values: Tensor, dim: int) -> str:
+def linear_choice(requested: str, values: Tensor, dim: int) -> str:
     """Which implementation runs the CBSR linear map (operands of one dtype)."""
     return choose("linear", values, requested=requested, dim=dim, k=values.size(1),
                   large=values.size(0) >= dispatch.LINEAR_MIN_ROWS)
@@ -249,7 +249,7 @@ def _linear_backend(requested: str, values: Tensor, dim: int) -> str:
 
 def _cbsr_linear(values: Tensor, indices: Tensor, dim: int, weight: Tensor,
                  bias: Optional[Tensor], backend: str) -> Tensor:
-    chosen = _linear_backend(backend, values, dim)
+    chosen = linear_choice(backend, values, dim)
     if chosen == "torch":  # the dense path, with the requested backend's densify
         return torch_ops.cbsr_linear(values, indices, dim, weight, bias,
                                      _densify(backend, values, dim))
@@ -284,7 +284,7 @@ def _cbsr_linear_backward(ctx, grad_out):
 def _cbsr_linear_backward_impl(grad_out: Tensor, values: Tensor, indices: Tensor,
                                weight: Tensor, dim: int, need_values: bool, need_weight: bool,
                                backend: str) -> Tuple[Tensor, Tensor]:
-    if _linear_backend(backend, values, dim) == "cpu":
+    if linear_choice(backend, values, dim) == "cpu":
         from . import cpu_ops
         grads = cpu_ops.cbsr_linear_backward(grad_out, values, indices, weight, dim,
                                              need_values, need_weight)
