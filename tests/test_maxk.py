@@ -136,3 +136,28 @@ def test_cbsr_linear_matches_dense_linear_and_saves_no_dense_input():
     full = pyg_maxk.maxk(x, 24)  # k == dim: a plain linear
     torch.testing.assert_close(pyg_maxk.ops.cbsr_linear(full, weight),
                                torch.nn.functional.linear(x, weight))
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_cbsr_linear_adds_a_dense_product(backend):
+    """SAGE's two linear maps in one op: ``h W^T + b + dense V^T``, with the
+    gradients of every operand."""
+    torch.manual_seed(0)
+    dtype = torch.float64
+    x = torch.randn(30, 24, dtype=dtype)
+    h = pyg_maxk.maxk(x.clone().requires_grad_(), 5)
+    weight = torch.randn(7, 24, dtype=dtype, requires_grad=True)
+    bias = torch.randn(7, dtype=dtype, requires_grad=True)
+    dense = torch.randn(30, 11, dtype=dtype, requires_grad=True)
+    dense_weight = torch.randn(7, 11, dtype=dtype, requires_grad=True)
+    with pyg_maxk.use_backend(backend):
+        out = pyg_maxk.ops.cbsr_linear(h, weight, bias, dense=dense, dense_weight=dense_weight)
+    ref_out = (torch.nn.functional.linear(h.to_dense(), weight, bias)
+               + dense @ dense_weight.t())
+    torch.testing.assert_close(out, ref_out)
+    inputs = (h.values, weight, bias, dense, dense_weight)
+    g = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, inputs, g), torch.autograd.grad(ref_out, inputs, g)):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="together"):
+        pyg_maxk.ops.cbsr_linear(h, weight, bias, dense=dense)

@@ -61,8 +61,12 @@ def op_cases(backend, dtype=torch.float32):
         cases.append((lib.cbsr_to_dense, (values, indices, 24, backend)))
         weight = torch.randn(6, 24, device=DEVICE, dtype=dtype, requires_grad=True)
         bias = torch.randn(6, device=DEVICE, dtype=dtype, requires_grad=True)
+        dense = torch.randn(rows, 9, device=DEVICE, dtype=dtype, requires_grad=True)
+        dense_weight = torch.randn(6, 9, device=DEVICE, dtype=dtype, requires_grad=True)
         for b in (bias, None):
-            cases.append((lib.cbsr_linear, (values, indices, 24, weight, b, backend)))
+            cases.append((lib.cbsr_linear, (values, indices, 24, weight, b, None, None, backend)))
+        cases.append((lib.cbsr_linear, (values, indices, 24, weight, bias, dense, dense_weight,
+                                        backend)))
         grad_out = torch.randn(rows, 6, device=DEVICE, dtype=dtype)
         for need in ((True, True), (True, False), (False, True)):
             cases.append((lib.cbsr_linear_backward,

@@ -107,17 +107,15 @@ class MaxKSAGEConv(MaxKConv):
         ``[N, dim]`` input would otherwise stay alive) and adds ``lin_l``'s
         bias; ``lin_l``'s GEMM then accumulates into that result in place
         (cuBLAS's ``beta = 1``): two passes over ``[N_dst, F_out]`` fewer
-        than a GEMM and an add. The tensor it writes into is fresh, and
-        nothing saved it for the backward.
+        than a GEMM and an add. One op does both
+        (:func:`pyg_maxk.ops.cbsr_linear`), so compiled code keeps the
+        in-place accumulation (an out-of-place addmm copies its addend first).
         """
         w_l, w_r = self.lin_l.weight, self.lin_r.weight
         if is_uninitialized_parameter(w_l) or is_uninitialized_parameter(w_r):
             # Lazy in_channels=-1: the Linear modules size their weights here.
             return self.lin_l(agg) + self.lin_r(h.to_dense())
-        out = cbsr_linear(h, w_r, self.lin_l.bias)
-        if torch.is_autocast_enabled(agg.device.type) or not out.dtype == agg.dtype == w_l.dtype:
-            return torch.addmm(out, agg, w_l.t())  # out of place: autocast casts it
-        return out.addmm_(agg, w_l.t())
+        return cbsr_linear(h, w_r, self.lin_l.bias, dense=agg, dense_weight=w_l)
 
     def __repr__(self) -> str:
         return (f"{self.__class__.__name__}({self.in_channels}, "

@@ -110,30 +110,40 @@ def aggregate(graph: CSRGraph, h: Union[CBSR, Tensor]) -> Tensor:
                       get_backend())
 
 
-def cbsr_linear(h: CBSR, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def cbsr_linear(h: CBSR, weight: Tensor, bias: Tensor | None = None, *,
+                dense: Tensor | None = None, dense_weight: Tensor | None = None) -> Tensor:
     r"""``h.to_dense() @ weight.T + bias``, saving only the CBSR (``[N, k]``)
     for the backward instead of the ``[N, dim]`` dense input. The ``"numba"``
     backend's forward never builds the dense input on large graphs
     (:mod:`pyg_maxk.kernels.linear`); the ``"cpu"`` backend's forward and
     backward never do (:func:`pyg_maxk.kernels.cpu.linear_rows`).
 
+    With ``dense`` and ``dense_weight`` it adds ``dense @ dense_weight.T``
+    (SAGE's two linear maps), accumulated in place into the result: one
+    output pass, eager and compiled.
+
     Under autocast, or with operands of different dtypes, it is
     ``F.linear(h.to_dense(), weight, bias)`` (autocast's casts, torch's
-    type promotion).
+    type promotion), plus ``torch.addmm`` of the dense product.
 
     Args:
         h (CBSR): ``[N, dim]`` sparse input.
         weight (torch.Tensor): ``[out, dim]``.
         bias (torch.Tensor, optional): ``[out]``.
+        dense (torch.Tensor, optional): ``[N, dim_dense]``.
+        dense_weight (torch.Tensor, optional): ``[out, dim_dense]``.
 
     Returns:
         ``[N, out]`` dense tensor.
     """
-    if h.is_full:
-        return F.linear(h.values, weight, bias)
-    if _linear_is_dense(h, weight, bias):
-        return F.linear(to_dense(h), weight, bias)
-    return lib.cbsr_linear(h.values, h.indices, h.dim, weight, bias, get_backend())
+    if (dense is None) != (dense_weight is None):
+        raise ValueError("cbsr_linear takes dense and dense_weight together")
+    if h.is_full or _linear_is_dense(h, weight, bias) or (
+            dense is not None and not dense.dtype == dense_weight.dtype == h.values.dtype):
+        out = F.linear(h.values if h.is_full else to_dense(h), weight, bias)
+        return out if dense is None else torch.addmm(out, dense, dense_weight.t())
+    return lib.cbsr_linear(h.values, h.indices, h.dim, weight, bias, dense, dense_weight,
+                           get_backend())
 
 
 def linear_backend(h: CBSR, weight: Tensor, bias: Tensor | None = None) -> str:

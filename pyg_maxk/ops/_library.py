@@ -248,37 +248,48 @@ def linear_choice(requested: str, values: Tensor, dim: int) -> str:
 
 
 def _cbsr_linear(values: Tensor, indices: Tensor, dim: int, weight: Tensor,
-                 bias: Optional[Tensor], backend: str) -> Tensor:
+                 bias: Optional[Tensor], dense: Optional[Tensor],
+                 dense_weight: Optional[Tensor], backend: str) -> Tensor:
     chosen = linear_choice(backend, values, dim)
     if chosen == "torch":  # the dense path, with the requested backend's densify
-        return torch_ops.cbsr_linear(values, indices, dim, weight, bias,
-                                     _densify(backend, values, dim))
-    return _module(chosen).cbsr_linear(values, indices, dim, weight, bias)
+        out = torch_ops.cbsr_linear(values, indices, dim, weight, bias,
+                                    _densify(backend, values, dim))
+    else:
+        out = _module(chosen).cbsr_linear(values, indices, dim, weight, bias)
+    if dense is not None:
+        # In place into the fresh output (cuBLAS's beta = 1): no copy of
+        # ``out``, which an out-of-place addmm makes first.
+        out.addmm_(dense, dense_weight.t())
+    return out
 
 
-def _cbsr_linear_fake(values, indices, dim, weight, bias, backend):
+def _cbsr_linear_fake(values, indices, dim, weight, bias, dense, dense_weight, backend):
     return values.new_empty(values.size(0), weight.size(0))
 
 
 def _cbsr_linear_setup(ctx, inputs, output) -> None:
-    values, indices, dim, weight, bias, backend = inputs
+    values, indices, dim, weight, bias, dense, dense_weight, backend = inputs
     ctx.dim, ctx.backend = dim, backend
-    ctx.save_for_backward(values, indices, weight)
+    ctx.save_for_backward(values, indices, weight, dense, dense_weight)
 
 
 def _cbsr_linear_backward(ctx, grad_out):
-    values, indices, weight = ctx.saved_tensors
-    need_values, need_weight, need_bias = (ctx.needs_input_grad[0], ctx.needs_input_grad[3],
-                                           ctx.needs_input_grad[4])
-    grad_values = grad_weight = None
-    if need_values or need_weight:
+    values, indices, weight, dense, dense_weight = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    grad_out = grad_out.contiguous()
+    grad_values = grad_weight = grad_dense = grad_dense_weight = None
+    if need[0] or need[3]:
         grad_values, grad_weight = cbsr_linear_backward(
-            grad_out.contiguous(), values, indices, weight, ctx.dim, need_values, need_weight,
-            ctx.backend)
-        grad_values = grad_values if need_values else None
-        grad_weight = grad_weight if need_weight else None
-    grad_bias = grad_out.sum(0) if need_bias else None
-    return grad_values, None, None, grad_weight, grad_bias, None
+            grad_out, values, indices, weight, ctx.dim, need[0], need[3], ctx.backend)
+        grad_values = grad_values if need[0] else None
+        grad_weight = grad_weight if need[3] else None
+    grad_bias = grad_out.sum(0) if need[4] else None
+    if need[5]:
+        grad_dense = grad_out @ dense_weight
+    if need[6]:
+        grad_dense_weight = grad_out.t() @ dense
+    return (grad_values, None, None, grad_weight, grad_bias, grad_dense, grad_dense_weight,
+            None)
 
 
 def _cbsr_linear_backward_impl(grad_out: Tensor, values: Tensor, indices: Tensor,
