@@ -85,7 +85,7 @@ def main(argv=None):
         opt = torch.optim.Adam(model.parameters(), lr=0.01)
         if k is not None:  # checked before timing: loss and gradients of two batches
             for b in batches[:2]:
-                result["rel_error_vs_torch_backend"] = check_against_torch_backend(
+                result["check_vs_torch_backend"] = check_against_torch_backend(
                     model, lambda b=b: F.cross_entropy(model(b.x, b.edge_index)[:b.batch_size],
                                                        b.y[:b.batch_size]), MODEL_RTOL)
 

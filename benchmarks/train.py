@@ -85,7 +85,9 @@ FORMS = ("edge_index", "EdgeIndex", "csr", "SparseTensor")
 #: Workloads whose epochs are host-bound: also timed interleaved.
 HOST_BOUND = ("cora",)
 HIDDEN = 256
-#: Relative tolerance of a whole MaxK model's output against the torch backend.
+#: A whole MaxK model's loss and gradients within this of the torch backend's
+#: always pass; beyond it, the check bounds them by the model's rounding
+#: sensitivity (:func:`~common.check_against_torch_backend`).
 MODEL_RTOL = 2e-3
 
 
@@ -96,6 +98,9 @@ def parse_args(argv=None):
     p.add_argument("--graphs", default="reddit,products,cora")
     p.add_argument("--models", default="sage,gcn,gin")
     p.add_argument("--forms", default=",".join(FORMS), help="stock input forms")
+    p.add_argument("--large-forms", default=None,
+                   help="stock input forms on the large (not host-bound) workloads "
+                        "(default: --forms); the others are reported as not requested")
     p.add_argument("--k", default="32", help="MaxK k values, comma separated")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--scale", type=float, default=1.0,
@@ -212,11 +217,10 @@ def messages_fit(form: str, num_edges: int, device: torch.device) -> Optional[st
     return None
 
 
-def check_maxk_output(model, x, adj, y) -> float:
-    """Largest relative difference of the MaxK model's loss and gradients
-    (one training step, train mode) between the active backend and the
-    ``"torch"`` reference backend (same parameters); fails above
-    :data:`MODEL_RTOL`."""
+def check_maxk_output(model, x, adj, y) -> Dict[str, float]:
+    """The MaxK model's loss and gradients (one training step, train mode)
+    on the active backend against the ``"torch"`` reference backend (same
+    parameters): :func:`~common.check_against_torch_backend`."""
     return check_against_torch_backend(model, lambda: F.cross_entropy(model(x, adj), y),
                                        MODEL_RTOL)
 
@@ -297,8 +301,9 @@ def run_workload(name: str, models, forms, ks, device, repeats, scale,
             return cls(x.size(1), HIDDEN, layers, data["num_classes"], k=None,
                        **CONV_KWARGS[kind]).to(device)
 
-        for form in forms:
-            reason = messages_fit(form, ei.size(1), device)
+        for form in FORMS if name not in HOST_BOUND else forms:
+            reason = ("not requested" if form not in forms
+                      else messages_fit(form, ei.size(1), device))
             if reason:
                 print(f"  {kind} stock {form}: skipped ({reason})", flush=True)
                 entry["stock"][form] = {"skipped": reason}
@@ -316,15 +321,14 @@ def run_workload(name: str, models, forms, ks, device, repeats, scale,
             model = cls(x.size(1), HIDDEN, layers, data["num_classes"], k=k,
                         **CONV_KWARGS[kind]).to(device)
             clear_graph_cache()
-            # Summation order differs from cuSPARSE (float32, rows of up to
-            # 60,000 edges), and each layer's MaxK can then pick a different
-            # one of two nearly equal entries: a whole deep model agrees to
-            # ~1e-4, not to rounding (single kernels are checked in kernels.py).
+            # A whole deep model agrees with the reference to its rounding
+            # sensitivity (see check_against_torch_backend); single kernels
+            # are checked against float64 in kernels.py.
             err = check_maxk_output(model, x, ei, y)
             clear_graph_cache()  # drop the reference backend's torch CSR copy
             # Unguarded: an error on the MaxK side fails the run.
             t = time_epoch(model, x, ei, y, device, repeats)
-            t["rel_error_vs_torch_backend"] = err
+            t["check_vs_torch_backend"] = err
             entry["maxk"][str(k)] = t
             _report(kind, f"MaxK k={k}", t)
         for mode in compile_modes:
@@ -443,8 +447,10 @@ def main(argv=None):
                "float32_matmul": "tf32" if args.tf32 else "ieee",
                "workloads": {}}
     for name in graphs:
-        payload["workloads"][name] = run_workload(name, models, forms, ks, device, repeats, scale,
-                                                  compile_modes)
+        large = args.large_forms.split(",") if args.large_forms else forms
+        payload["workloads"][name] = run_workload(
+            name, models, forms if name in HOST_BOUND else large, ks, device, repeats, scale,
+            compile_modes)
     name = "train-tiny" if args.tiny else ("train" if device.type == "cuda" else "train-cpu")
     if args.tf32:
         name += "-tf32"
