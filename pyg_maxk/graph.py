@@ -150,6 +150,10 @@ class CSRGraph:
         self._transposed: Optional[Tuple[Tensor, Tensor, Optional[Tensor]]] = None
         self._operands: Dict[int, GraphOperands] = {}
         self._static = False  # operands marked as static inputs (prepare)
+        self._transpose_order: Optional[Tensor] = None
+        #: For a graph built from an ``edge_index``: the position in that
+        #: edge list of every CSR edge (None: the same order).
+        self.edge_order: Optional[Tensor] = None
 
     # ------------------------------------------------------------------ info
     @property
@@ -260,7 +264,28 @@ class CSRGraph:
                 self.in_degree().long(), output_size=self.num_edges)
             weight = None if self.weight is None else self.weight[order]
             self._transposed = (colptr, row_of_edge[order], weight)
+            self._transpose_order = order
         return self._transposed
+
+    def with_weight(self, weight: Tensor, normalization: str) -> "CSRGraph":
+        """The same structure with other edge values ``weight`` (``[E]``, CSR
+        order), sharing this graph's work schedules: for edge values that
+        are recomputed on every call and may need a gradient (learnable
+        edge weights, PyG's explain edge masks). The aggregation ops take
+        ``weight`` as an input, so its gradient (an SDDMM) reaches the
+        caller."""
+        graph = CSRGraph(self.rowptr, self.col, weight, self.size, normalization)
+        graph.gcn_options = self.gcn_options
+        graph._schedules = self._schedules
+        if self._transposed is not None:
+            colptr, row_t, _ = self._transposed
+            graph._transposed = (colptr, row_t, weight[self._transpose_order])
+            graph._transpose_order = self._transpose_order
+        for max_edges, ops in self._operands.items():
+            weight_t = None if ops.colptr is None else graph._transposed[2]
+            graph._operands[max_edges] = ops._replace(weight=weight, row_scale=None,
+                                                      weight_t=weight_t)
+        return graph
 
     def operands(self, k: int) -> GraphOperands:
         """The tensors every aggregation op reads at ``k`` entries per row
@@ -372,7 +397,9 @@ class CSRGraph:
         value = None
         if edge_weight is not None:
             value = edge_weight if perm is None else edge_weight[perm]
-        return cls.from_csr(rowptr, src, value, size, normalization, dtype)
+        graph = cls.from_csr(rowptr, src, value, size, normalization, dtype)
+        graph.edge_order = perm
+        return graph
 
     @classmethod
     def from_adj(cls, adj: Any, size: Optional[Tuple[Optional[int], Optional[int]]] = None,
@@ -411,10 +438,9 @@ class CSRGraph:
             raise ValueError(f"Unknown normalization {normalization!r}; "
                              f"choose one of {NORMALIZATIONS}")
         if edge_weight is not None and torch.is_grad_enabled() and edge_weight.requires_grad:
-            raise NotImplementedError(
-                "pyg_maxk treats edge weights as constants: gradients w.r.t. "
-                "edge_weight are not supported. Pass edge_weight.detach() or "
-                "use the stock PyG layer when edge weights are learned.")
+            # Learnable edge values: the cached structure, values per call.
+            return graph_with_edge_values(adj, size, edge_weight, None, normalization,
+                                          gcn_improved, gcn_add_self_loops, dtype)
         anchors, versions = _fingerprint(adj, edge_weight)
         params = (normalization, use_sparse_tensor_values, gcn_improved,
                   gcn_add_self_loops, dtype, tuple(size) if size is not None else None)
@@ -575,3 +601,148 @@ _CACHE = _GraphCache()
 def clear_graph_cache() -> None:
     """Drop every cached graph (and its kernel schedules)."""
     _CACHE.clear()
+    _STRUCTURES.clear()
+    _SPARSE_STRUCTURES.clear()
+
+
+_STRUCTURES = _GraphCache()
+_SPARSE_STRUCTURES: Dict[Hashable, CSRGraph] = {}
+
+
+def edge_structure(edge_index: Tensor, size: Tuple[int, int], gcn_self_loops: bool,
+                   dtype: torch.dtype = torch.float32) -> CSRGraph:
+    """The unweighted CSR structure of an ``edge_index`` (with the self-loops
+    that PyG's ``gcn_norm`` adds when ``gcn_self_loops``), cached like
+    :meth:`CSRGraph.from_adj`'s graphs: edge values computed per call go on
+    it with :meth:`CSRGraph.with_weight`, in the order of
+    :attr:`CSRGraph.edge_order` (positions in the edge list, self-loops
+    after the edges, as ``gcn_norm`` returns them)."""
+    _check_edge_index(edge_index)
+    anchors, versions = _fingerprint(edge_index, None)
+    params = ("structure", bool(gcn_self_loops), dtype, tuple(size))
+    hit = _STRUCTURES.get(anchors, versions, params)
+    if hit is not None:
+        return hit
+    edges = _plain(edge_index)
+    if gcn_self_loops:
+        from torch_geometric.utils import add_remaining_self_loops
+        edges = add_remaining_self_loops(edges, None, 1.0, size[0])[0]
+    graph = CSRGraph.from_edge_index(edges, None, size, "sum", dtype)
+    if graph.edge_order is None:
+        graph.edge_order = torch.arange(graph.num_edges, device=graph.device)
+    _STRUCTURES.put(anchors, versions, params, graph)
+    return graph
+
+
+
+def graph_with_edge_values(adj: Any, size: Optional[Tuple[Optional[int], Optional[int]]],
+                           edge_weight: Optional[Tensor], edge_mask: Optional[Tensor],
+                           normalization: str, gcn_improved: bool = False,
+                           gcn_add_self_loops: bool = True,
+                           dtype: torch.dtype = torch.float32,
+                           k: Optional[int] = None) -> CSRGraph:
+    """The graph of an ``edge_index`` whose edge values are recomputed on
+    every call, differentiably, from ``edge_weight`` and ``edge_mask``
+    (either may need a gradient): PyG's semantics, in the edge list's order.
+
+    * ``"gcn"``: ``gcn_norm(edge_index, edge_weight)``'s values (self-loops
+      added after the edges), each times the mask. A mask of one entry per
+      input edge covers the non-loop edges; the loops ``gcn_norm`` adds get
+      1 (what PyG's ``explain_message`` does).
+    * ``"sum"``: ``edge_weight`` (or ones) times the mask.
+    * ``"mean"``: the mask over the in-degree (PyG's mean counts every
+      message, masked or not).
+
+    The structure and its work schedules (built for ``k`` when given) come
+    from :func:`edge_structure` (cached); only the ``[E]`` values are new per
+    call.
+    """
+    sparse = _is_sparse_tensor(adj) or _is_torch_sparse(adj)
+    if edge_mask is not None and (sparse or not isinstance(adj, Tensor)):
+        raise NotImplementedError(
+            f"pyg_maxk applies edge masks (PyG's explain) to an edge_index adjacency "
+            f"only (a tensor or EdgeIndex, whose edge order the mask follows); got "
+            f"{type(adj).__name__}. Pass the edge_index instead.")
+    if sparse:
+        return _sparse_graph_with_values(adj, normalization, gcn_improved,
+                                         gcn_add_self_loops, dtype, k)
+    if size is None or size[0] is None or size[1] is None:
+        raise ValueError("Building a CSRGraph from an edge_index needs size=(num_src, num_dst)")
+    sizes = (int(size[0]), int(size[1]))
+    edge_index = _plain(adj)
+    _check_edge_index(edge_index)
+    gcn = normalization == "gcn"
+    if gcn and sizes[0] != sizes[1]:
+        raise ValueError(f"gcn normalisation needs a square adjacency, got size={sizes}")
+    structure = edge_structure(edge_index, sizes, gcn and gcn_add_self_loops, dtype)
+    if k is not None:
+        structure.operands(k)
+    num_edges = edge_index.size(1)
+    if gcn:
+        from torch_geometric.nn.conv.gcn_conv import gcn_norm
+        _, values = gcn_norm(edge_index, edge_weight, sizes[0], gcn_improved,
+                             gcn_add_self_loops, "source_to_target", dtype)
+    elif edge_weight is not None and normalization == "sum":
+        values = edge_weight.to(dtype)
+    else:
+        values = torch.ones(num_edges, dtype=dtype, device=edge_index.device)
+    if edge_mask is not None:
+        if edge_mask.numel() != num_edges:
+            raise ValueError(f"The edge mask has {edge_mask.numel()} entries for "
+                             f"{num_edges} edges")
+        if values.numel() != num_edges:  # gcn_norm replaced the self-loops
+            loops = values.numel() - int((edge_index[0] != edge_index[1]).sum())
+            edge_mask = torch.cat([edge_mask[edge_index[0] != edge_index[1]],
+                                   edge_mask.new_ones(loops)])
+        values = values * edge_mask.to(dtype)
+    # index_select, not indexing: its backward is an index_add (a
+    # permutation: one add per entry), where indexing's sorts on CUDA.
+    values = values.index_select(0, structure.edge_order)
+    if normalization == "mean":
+        values = values * _inverse_degree_per_edge(structure).to(values.dtype)
+    return structure.with_weight(values.contiguous(), normalization)
+
+
+def _sparse_graph_with_values(adj: Any, normalization: str, gcn_improved: bool,
+                              gcn_add_self_loops: bool, dtype: torch.dtype,
+                              k: Optional[int]) -> CSRGraph:
+    """:func:`graph_with_edge_values` of a sparse ``adj_t`` whose values need
+    a gradient: PyG's ``gcn_norm`` of it (differentiable in the values), on
+    the cached structure."""
+    if normalization == "mean":
+        raise NotImplementedError("pyg_maxk's mean aggregation ignores the sparse values")
+    sizes = _sparse_size(adj)
+    if normalization == "gcn":
+        from torch_geometric.nn.conv.gcn_conv import gcn_norm
+        adj = gcn_norm(adj, None, sizes[0], gcn_improved, gcn_add_self_loops,
+                       "source_to_target", dtype)
+        adj = adj[0] if isinstance(adj, tuple) else adj
+    if _is_sparse_tensor(adj):
+        rowptr, col, values = adj.csr()
+    else:
+        csr = adj if adj.layout == torch.sparse_csr else adj.to_sparse_csr()
+        rowptr, col, values = csr.crow_indices(), csr.col_indices(), csr.values()
+    # The normalised tensor is new on every call: its structure is looked up
+    # by shape and checked equal (one pass over the indices), never assumed.
+    key = (sizes, col.numel(), col.device, rowptr.dtype, col.dtype)
+    structure = _SPARSE_STRUCTURES.get(key)
+    if structure is None or not (torch.equal(structure.rowptr, rowptr)
+                                 and torch.equal(structure.col, col)):
+        structure = CSRGraph.from_csr(rowptr, col, None, sizes, "sum", dtype)
+        _SPARSE_STRUCTURES[key] = structure
+        while len(_SPARSE_STRUCTURES) > _STRUCTURES.capacity:
+            _SPARSE_STRUCTURES.pop(next(iter(_SPARSE_STRUCTURES)))
+    if k is not None:
+        structure.operands(k)
+    return structure.with_weight(values.to(dtype).contiguous(), normalization)
+
+
+def _inverse_degree_per_edge(graph: CSRGraph) -> Tensor:
+    """``1 / in-degree`` of every edge's target (cached on the structure)."""
+    cached = getattr(graph, "_inverse_degree", None)
+    if cached is None:
+        deg = graph.in_degree()
+        inv = 1.0 / deg.to(torch.float64).clamp(min=1)
+        cached = torch.repeat_interleave(inv, deg.long(), output_size=graph.num_edges)
+        graph._inverse_degree = cached
+    return cached

@@ -4,6 +4,7 @@ import warnings
 
 import pytest
 import torch
+from torch_geometric.explain.algorithm.utils import set_masks
 from torch_geometric.nn import GCNConv, GINConv, SAGEConv
 
 import pyg_maxk
@@ -171,8 +172,9 @@ def test_bad_inputs_raise():
     gcn = MaxKGCNConv(F_IN, F_OUT, k=K)
     with pytest.raises(ValueError, match="tuple"):
         gcn((_x(), _x()), ei)
-    with pytest.raises(NotImplementedError, match="edge_weight"):
-        gcn(_x(), ei, torch.rand(ei.size(1), requires_grad=True))
+    with pytest.raises(ValueError, match="edge mask has"):
+        set_masks(gcn, torch.rand(ei.size(1) + 1), ei)
+        gcn(_x(), ei)
 
 
 def test_graph_built_once_across_layers_and_epochs(monkeypatch):
@@ -250,18 +252,6 @@ def test_lazy_in_channels(kind):
     # Later calls fuse the bias and the root term into the GEMM: same result.
     torch.testing.assert_close(conv(_x(), ei), first)
     assert_same_as_stock(conv, make_pair(kind)[1], _x(), (ei,), K)
-
-
-@pytest.mark.parametrize("kind", ["sage", "gcn", "gin"])
-def test_an_explain_edge_mask_is_an_error_not_ignored(kind):
-    from torch_geometric.explain.algorithm.utils import clear_masks, set_masks
-    ours, _ = make_pair(kind)
-    ei = random_edge_index(N, N, 30)
-    set_masks(ours, torch.rand(ei.size(1), requires_grad=True), ei)
-    with pytest.raises(NotImplementedError, match="edge mask"):
-        ours(_x(), ei)
-    clear_masks(ours)
-    ours(_x(), ei)  # without a mask it runs
 
 
 def test_models_ignore_edge_weights_where_their_stock_model_does():

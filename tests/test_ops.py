@@ -51,6 +51,10 @@ def op_cases(backend, dtype=torch.float32):
         cases.append((lib.spgemm, (*ops, values, indices, num_dst, dim, backend)))
         grad_out = torch.randn(num_dst, dim, device=DEVICE, dtype=dtype)
         cases.append((lib.sspmm, (*ops, indices, grad_out, num_src, backend)))
+        cases.append((lib.sddmm, (*ops, values.detach(), indices, grad_out, backend)))
+        if ops.weight is not None:  # learnable edge values: the SDDMM in the backward
+            learnable = ops._replace(weight=ops.weight.detach().clone().requires_grad_())
+            cases.append((lib.spgemm, (*learnable, values, indices, num_dst, dim, backend)))
         dense = torch.randn(num_src, dim, device=DEVICE, dtype=dtype, requires_grad=True)
         weight = None if graph.weight is None else graph.weight.to(dtype)
         cases.append((lib.spmm, (graph.rowptr, graph.col, weight, dense, num_src, False)))
@@ -150,3 +154,40 @@ def test_the_requested_backend_travels_with_the_backward():
     finally:
         torch_ops.sspmm = original
     assert calls == ["sspmm"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dim, k", [(20, 4), (64, 8), (64, 32), (64, 40), (256, 160)])
+def test_edge_value_gradient_against_float64(backend, dim, k, monkeypatch):
+    """The SDDMM (the aggregation's gradient w.r.t. its edge values) against a
+    float64 dense reference, on rows split across work items, a bipartite
+    graph, multi-edges and self-loops, and the empty edge set; ``k`` with 1,
+    2 and 4 slots per load, groups of lanes wider than ``k`` and several
+    chunks per lane (k=160)."""
+    import pyg_maxk.graph
+    monkeypatch.setattr(pyg_maxk.graph, "PAIRS_PER_ITEM", 16 * k)  # rows of > 16 edges split
+    dtype = torch.float64 if backend != "numba" else torch.float32
+    for num_src, num_dst, num_edges in ((30, 30, 400), (9, 7, 25), (6, 5, 0)):
+        ei = random_edge_index(num_src, num_dst, num_edges, seed=1).to(DEVICE)
+        if num_edges:  # a multi-edge and a self-loop
+            ei = torch.cat([ei, ei[:, :1], torch.tensor([[3], [3]], device=DEVICE)], 1)
+        weight = torch.rand(ei.size(1), device=DEVICE, dtype=torch.float64)
+        graph = CSRGraph.from_adj(ei, (num_src, num_dst), edge_weight=weight,
+                                  dtype=torch.float64 if dtype == torch.float64 else
+                                  torch.float32)
+        values, indices = _cbsr(num_src, dim, k, seed=2, dtype=dtype)
+        ops = graph.operands(k)
+        if num_edges == 400:
+            assert bool((ops.item_split != 0).any())
+        learnable = ops._replace(weight=ops.weight.detach().clone().requires_grad_())
+        grad_out = torch.randn(num_dst, dim, device=DEVICE, dtype=dtype)
+        with pyg_maxk.use_backend(backend):
+            out = lib.spgemm(*learnable, values.detach(), indices, num_dst, dim, backend)
+        (grad_weight,) = torch.autograd.grad(out, learnable.weight, grad_out)
+        dense = torch.zeros(num_src, dim, dtype=torch.float64, device=DEVICE).scatter_(
+            1, indices.long(), values.detach().double())
+        row = torch.repeat_interleave(torch.arange(num_dst, device=DEVICE),
+                                      (graph.rowptr[1:] - graph.rowptr[:-1]).long())
+        expected = (dense[graph.col.long()] * grad_out.double()[row]).sum(1)
+        tol = 1e-12 if dtype == torch.float64 else 1e-5
+        torch.testing.assert_close(grad_weight.double(), expected, rtol=tol, atol=tol)

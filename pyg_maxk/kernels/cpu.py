@@ -7,6 +7,9 @@ row, no atomics.
   ``E * dim`` of a dense product.
 * Backward, over the rows ``c`` of the transposed graph (one writer per
   gradient row): ``grad_values[c, j] += a_e * grad_out[r, indices[c, j]]``.
+* Gradient w.r.t. the edge values, over CSR rows ``r`` (a sampled
+  dense-dense product, SDDMM): ``grad_weight[e] = sum_j values[c, j] *
+  grad_out[r, indices[c, j]]``, ``E * k`` multiply-adds.
 * MaxK selection, one thread per block of rows: the columns of the ``k``
   largest entries of each row, in column order (see :func:`select_rows`).
 * The root-term linear map of a CBSR input, ``out = h @ W^T + b``, and its
@@ -56,6 +59,17 @@ def _kernels():
                 a = weight_t[e] if weighted else 1.0
                 for j in range(k):
                     grad_values[c, j] += a * grad_out[r, indices[c, j]]
+
+    @njit(parallel=True, cache=True)
+    def sddmm_rows(rowptr, col, values, indices, grad_out, grad_weight):
+        k = values.shape[1]
+        for r in prange(grad_out.shape[0]):
+            for e in range(rowptr[r], rowptr[r + 1]):
+                c = col[e]
+                acc = 0.0
+                for j in range(k):
+                    acc += values[c, j] * grad_out[r, indices[c, j]]
+                grad_weight[e] = acc
 
     @njit(cache=True, inline="always")
     def kth_smallest(a, m, kth):
@@ -214,7 +228,7 @@ def _kernels():
                     for o in range(m):
                         acc[o] += v * g[o]
 
-    return SimpleNamespace(spgemm_rows=spgemm_rows, sspmm_rows=sspmm_rows,
+    return SimpleNamespace(spgemm_rows=spgemm_rows, sspmm_rows=sspmm_rows, sddmm_rows=sddmm_rows,
                            select_rows=select_rows, linear_rows=linear_rows,
                            linear_input_grad_rows=linear_input_grad_rows,
                            linear_weight_grad_parts=linear_weight_grad_parts)
@@ -230,6 +244,12 @@ def sspmm_rows(*args) -> None:
     _kernels().sspmm_rows(*args)
 
 
+def sddmm_rows(*args) -> None:
+    """``grad_weight[e] = sum_j values[c, j] * grad_out[r, indices[c, j]]`` for
+    every edge ``e = (c -> r)``."""
+    _kernels().sddmm_rows(*args)
+
+
 def select_rows(x, k: int, indices) -> None:
     """Write into ``indices[N, k]`` the columns of the ``k`` largest entries of
     each row of ``x[N, dim]`` (``1 <= k <= dim``), in column order: the
@@ -241,9 +261,7 @@ def select_rows(x, k: int, indices) -> None:
     of ``[lo, max]``, keeping the candidates at or above ``lo`` in column
     order. When exactly ``k`` remain (the usual case) they are the answer;
     otherwise (ties, NaN) a quickselect finds the ``k``-th largest and one
-    branch-free pass over the row writes the columns. On this repository's
-    2-core machine it took 2.3-3.0 ms against 5.6-6.7 ms for ``torch.topk``
-    (2,708 x 256, k=32) and 180-244 against 494-588 ms (232,965 x 256).
+    branch-free pass over the row writes the columns.
     """
     _kernels().select_rows(x, k, indices)
 
@@ -252,19 +270,15 @@ def linear_rows(values, indices, weight_t, bias, has_bias: bool, out) -> None:
     """``out[N, out] = h @ W^T (+ bias)`` for the CBSR ``h = (values,
     indices)`` and ``weight_t = W^T`` (``[dim, out]``, C-contiguous): per row,
     ``k`` scaled rows of ``weight_t`` added up (``bias`` is read only when
-    ``has_bias``). On this repository's 2-core machine, 2,708 rows, dim 256,
-    k=32, 256 outputs: 0.8-1.1 ms against 1.4-1.5 ms for MKL's dense
-    ``addmm`` plus 0.2 ms to densify its input; at 20,000 rows 5.6 against
-    10.2-11.0 + 1.3-1.4 ms."""
+    ``has_bias``): ``N * k * out`` multiply-adds instead of a dense GEMM's
+    ``N * dim * out``."""
     _kernels().linear_rows(values, indices, weight_t, bias, has_bias, out)
 
 
 def linear_input_grad_rows(grad_out, indices, weight_t, grad_values) -> None:
     """``grad_values[i, s] = grad_out[i] . weight_t[indices[i, s]]``: the
     gradient of :func:`linear_rows` w.r.t. the CBSR values, ``(grad_out @ W)``
-    sampled at the CBSR pattern without computing the rest (same machine and
-    shape: 0.7-1.0 ms against 1.3-1.5 ms for ``mm`` + ``gather``; 20,000 rows
-    5.2-5.3 against 9.7-10.7 ms)."""
+    sampled at the CBSR pattern without computing the rest."""
     _kernels().linear_input_grad_rows(grad_out, indices, weight_t, grad_values)
 
 
@@ -272,7 +286,5 @@ def linear_weight_grad_parts(grad_out, values, indices, parts) -> None:
     """``parts[p] = (grad_out^T @ h)^T`` over the ``p``-th of
     ``parts.shape[0]`` equal runs of rows (``parts[p]`` is ``[dim, out]``;
     their sum is ``W``'s gradient, transposed): one writer per part, no
-    atomics (same machine and shape, parts summed: 1.2-1.3 ms against
-    1.3-1.6 ms for the dense ``mm`` plus 0.2 ms to densify; 20,000 rows 7.2-7.4
-    against 9.8-10.4 + 1.3 ms)."""
+    atomics."""
     _kernels().linear_weight_grad_parts(grad_out, values, indices, parts)

@@ -1,5 +1,6 @@
-"""Forward SpGEMM (CSR x CBSR -> dense) and backward SSpMM (the gradient of
-the CBSR values), both row-wise over the same balanced work items.
+"""Forward SpGEMM (CSR x CBSR -> dense), backward SSpMM (the gradient of the
+CBSR values) and SDDMM (the gradient of the edge values), all row-wise over
+the same balanced work items.
 
 A work item is a run of at most ``max_edges`` edges of one CSR row (see
 :class:`pyg_maxk.graph.WorkSchedule`). One *warp* takes one item at a time
@@ -16,8 +17,7 @@ neighbour at a time, so its lanes touch the ``k`` *distinct* columns of that
 neighbour's CBSR row: their updates never collide.
 
 Forward, for item (row r, edges e0..e1), every group g with its own
-shared-memory row ``acc[g, :dim]`` (rows :data:`ROW_PAD` floats apart, so
-that groups adding the same popular column hit different banks)::
+shared-memory row ``acc[g, :dim]`` (rows :data:`ROW_PAD` floats apart)::
 
     acc[:] = 0
     for each neighbour s = col[e] taken by group g, lane j:
@@ -26,16 +26,9 @@ that groups adding the same popular column hit different banks)::
     out[r, :] = s_r * sum_g acc[g, :]    (atomic adds when the row spans several items)
 
 where ``a_e`` is the edge's value, or 1 when the graph gives a per-row scale
-``s_r`` instead (a mean without edge values: ``a_e = 1 / deg(r)`` on every
-edge of row ``r``), which is then applied once per output entry rather than
-once per edge and slot (H200, Reddit-shaped graph, dim 256: k=8 2.19 -> 2.06
-ms, k=32 5.60 -> 5.32 ms; ``s_r`` is 1 otherwise).
-
-No shared-memory atomics: floating-point ``atomicAdd`` on shared memory
-(a compare-and-swap loop, ``ATOMS.CAST.SPIN``, in sm_90 SASS) was
-measured to dominate the previous, block-per-item kernel on an H200 (16.5 ms
-with atomics vs 6.7 ms with racy plain stores, Reddit-shaped graph, k=32,
-dim 256).
+``s_r`` instead (a mean without edge values), applied once per output entry
+(``s_r`` is 1 otherwise). No shared-memory atomics: a float ``atomicAdd`` on
+shared memory is a compare-and-swap loop on sm_90.
 
 Backward (outer-product style, from the same CSR)::
 
@@ -44,96 +37,36 @@ Backward (outer-product style, from the same CSR)::
         grad_values[s, j] += a_e * buf[indices[s, j]]    # coalesced global atomics,
                                                          # one vector atomic per lane (sm_90)
 
-Each lane keeps several neighbours' loads in flight (:func:`spgemm_unroll`
-forward, ``SSPMM_UNROLL`` backward): the warp stages a round of column ids
-in shared memory (:func:`staged_round`, coalesced loads), then issues the
-loads of several of those neighbours before using any. The CBSR arrays are
-passed flattened (``[N * k]``), or to the forward as (value, index) pairs
-(:func:`reads_pairs`). What the SASS (``cuobjdump -sass``, H200) showed and
-what was done about it:
+Edge values' gradient (:func:`sddmm_kernel`)::
 
-* loop bounds mixing signed and unsigned integers were compared in float64
-  (Numba types int64 with uint64 as float64): ``I2F.F64`` + ``DSETP`` in the
-  inner loop. Every index is now uint32 (which also drops the wraparound code
-  Numba emits for signed indices);
-* the forward multiplied by the edge weight inside each neighbour's guarded
-  load, so each load was waited for before the next was issued. Its loads are
-  now unconditional (clamped to a real neighbour) and all issued first
-  (k=8: 3.66 -> 2.7 ms). The backward keeps guarded loads: its atomics never
-  wait on them, and that measured faster (k=32: 5.4 vs 7.0 ms);
-* loads in flight per warp matter more than warps per SM: at 4 neighbours
-  per lane (56 registers, 36 warps/SM) the forward took 6.55 ms at k=32 and
-  2.54 ms at k=8; at 8 neighbours capped to 64 registers (32 warps/SM) it
-  takes 5.77 and 2.34 ms. Capping 4 neighbours to 40 registers for full
-  occupancy was slower (spills), and the gather below at 36 instead of 64
-  warps/SM is only 7% slower. :func:`spgemm_unroll` keeps 4 where 8
-  measured slower (k < 8 and k > 32);
-* both kernels stage 128 neighbours per round for ``k <= 32`` (32 before):
-  fewer stage-and-sync rounds, and at small k a step's ``groups * unroll``
-  neighbours no longer run past the staged ones (clamped forward loads that
-  only cost, idle backward lanes). Forward at dim 256, 32 / 128 staged: k=1
-  3.70 / 2.64 ms, k=2 3.38 / 2.15, k=4 2.84 / 2.37, k=8 2.63 / 2.29, k=16
-  3.96 / 3.38, k=32 6.33 / 6.03; dims 64 and 512 gain likewise. Backward:
-  k=2 2.71 / 2.36, k=8 2.50 / 2.41, k=32 5.35 / 4.97 (dim 512: 6.06 /
-  5.16). At k=64 (two slots per lane) 128 staged was no faster (forward
-  10.85 / 11.26, backward 11.12 / 11.06 ms), so it keeps 32. A software-
-  pipelined forward (each update followed by the next step's load into the
-  registers it frees) measured no faster than this at any k <= 8 and dim
-  tried, and mostly slower (dim 256: k=2 2.61 vs 2.18 ms, k=8 2.47 vs
-  2.24 ms), so a step's loads are still all issued, then all used.
+    buf[:] = grad_out[r, :]
+    for each edge e = (c -> r) taken by a lane:
+        grad_weight[e] = sum_j values[c, j] * buf[indices[c, j]]    # one writer per edge
 
-Reading ``width`` slots per load (``vector_load``, ``LDG.E.128`` at 4)
-was the last large step. ``benchmarks/gather_ceiling.py`` reads exactly the
-CBSR rows the forward reads, the same way, and nothing else: at k=32, dim 256
-on the Reddit-shaped graph that gather took 4.5 ms with one 4-byte load per
-slot (about 130 G sectors/s, which an earlier version of this note took for
-the L2's limit) and 2.0-2.1 ms with 16-byte loads (275-282 G sectors/s): the
-number of load instructions, not the bytes, had limited it. The forward went
-from 5.3 to 4.6 ms and the backward from 4.9 to 4.5 ms (its vector atomic,
-``REDG.E.ADD.F32x4``, adds 4 slots at once). At k=8 the gather stayed at
-1.56 ms whatever the width, while the values alone took 0.92 ms and one
-64-byte row per neighbour, read with one load instruction, 0.87 ms: every
-load instruction of a neighbour's row costs an L2 request, however few
-sectors it touches, and values and indices in separate arrays take two. Up
-to k=16 the forward therefore reads (value, index) pairs, one or two slots
-per load (:func:`reads_pairs`): k=8 2.03 -> 1.81 ms, k=4 2.14 -> 1.58 ms.
-
-What remains at k=32 is the shared-memory accumulation: its columns are
-random, so the read-add-write of a warp's 32 lanes meets about 3.5-way bank
-conflicts (simulated for MaxK rows), and a probe giving every lane a
-conflict-free column (same loads, same instructions) ran in 3.6 instead of
-4.6 ms. The select kernel now writes each CBSR row in bank-major order
-(:mod:`.maxk_select`), so a lane's consecutive slots fall in different banks
-and the groups' rows, ``ROW_PAD`` apart, shift them further: about 2.9-way
-conflicts simulated, 4.15-4.29 ms measured (two runs). Shared memory has no
-float add on sm_90 (``atomicAdd`` compiles to a compare-and-swap loop), so
-the rest stays unless the accumulation leaves shared memory.
-
-The backward is bound by its global reductions: a kernel issuing only them
-(``benchmarks/reduction_ceiling.py``, same lanes and widths) took 4.05 ms at
-k=32, dim 256 on the Reddit-shaped graph (3.6 TB/s of float32 added) against
-4.53 ms for the SSpMM, and 1.72 against 2.2 ms at k <= 8. Two slots per
-reduction took about as long as four (4.14 vs 4.03 ms), so the bytes, not the
-instructions, set that floor.
-
-MaxK's columns are not uniform on real features: in a Reddit-trained SAGE
-layer one column was in every row and 27-29 in more than half, so the groups
-of a warp kept adding to the same column of their rows at once, all in one
-bank while the rows were ``dim`` floats apart. :data:`ROW_PAD` fixed that
-(same measurement as there).
+Each lane of the forward and backward keeps several neighbours' loads in
+flight (:func:`spgemm_unroll` forward, ``SSPMM_UNROLL`` backward): the warp
+stages a round of column ids in shared memory (:func:`staged_round`,
+coalesced loads), then issues the loads of several of those neighbours
+before using any. The forward's loads are unconditional (clamped to a real
+neighbour), the backward's guarded (its atomics never wait on them). Every
+index is uint32: Numba compares mixed signed/unsigned loop bounds in
+float64. The CBSR arrays are passed flattened (``[N * k]``), or to the
+forward as (value, index) pairs (:func:`reads_pairs`): one L2 request per
+neighbour instead of two.
 
 Lanes synchronise with :func:`~._warp.warp_sync` (``syncwarp``; in Numba's
-simulator ``syncthreads`` on one-warp blocks), so every loop bound below is
-warp-uniform.
+simulator ``syncthreads`` on one-warp blocks), so every loop bound that
+reaches a barrier is warp-uniform. Why the kernels are built this way and
+what limits them now: ``docs/design.md``.
 """
 from __future__ import annotations
 
 import functools
 from typing import Tuple
 
-from ._numba import cuda_module, kernel_jit
+from ._numba import cuda_module, kernel_jit, simulator_enabled
 from ._vector import vector_atomic_add, vector_load
-from ._warp import WARP, warp_sync
+from ._warp import FULL_MASK, WARP, warp_sync
 
 # Module-level name `cuda`: Numba's simulator swaps exactly this global.
 cuda = cuda_module()
@@ -151,22 +84,18 @@ SHARED_BYTES = 48 * 1024
 #: column in every row, 27-29 columns in more than half), so the groups of a
 #: warp, each adding a different neighbour to its own row, hit the same
 #: column at once; with rows ``dim`` floats apart (a multiple of 32 banks)
-#: those are bank conflicts. An odd stride puts them in different banks.
-#: H200, such layers' CBSR, Reddit-shaped graph, dim 256: k=8 2.11 / 2.86 ->
-#: 1.90 / 1.86 ms, k=32 (4 slots per load) 4.95 / 5.28 -> 4.35 / 4.31 ms; on
-#: random features no change.
+#: those are bank conflicts. An odd stride puts them in different banks (on
+#: such layers' CBSR 10-35% faster; on random features no change).
 ROW_PAD = 1
 
 
 def spgemm_vector_width(k: int) -> int:
     """CBSR slots a lane of the forward reads per load (one 4-, 8- or 16-byte
-    load of values, one word of indices), as measured on an H200 (Reddit-
-    shaped graph, dim 256; 1 / 2 / 4 slots): k=8 2.04 / 2.36 / - ms, k=16
-    3.05 / 2.90 / 3.35 ms, k=32 5.31 / 4.70 / 4.63 ms, k=64 10.0 / 9.21 /
-    8.27 ms. At k=8 wider loads do not pay (the separate load of indices
-    costs an L2 request either way; see :func:`reads_pairs`); at k=16, 4
-    slots per lane put 8 neighbours side by side, whose shared rows cost
-    occupancy."""
+    load of values, one word of indices), the fastest of 1, 2 and 4 on an
+    H200 (Reddit-shaped graph, dim 256). At k=8 wider loads do not pay (the
+    separate load of indices costs an L2 request either way; see
+    :func:`reads_pairs`); at k=16, 4 slots per lane put 8 neighbours side by
+    side, whose shared rows cost occupancy."""
     if k >= 32 and k % 4 == 0:
         return 4
     return 2 if k >= 16 and k % 2 == 0 else 1
@@ -174,9 +103,7 @@ def spgemm_vector_width(k: int) -> int:
 
 def sspmm_vector_width(k: int) -> int:
     """CBSR slots a lane of the backward reads and adds to at once (one
-    vector reduction), as measured on an H200 (as above; 1 / 2 / 4 slots):
-    k=8 2.26 / 2.16 / - ms, k=16 3.11 / 3.00 / 2.96 ms, k=32 4.94 / 4.59 /
-    4.50 ms, k=64 10.39 / - / 10.42 ms."""
+    vector reduction), the fastest of 1, 2 and 4 on an H200 (as above)."""
     if k >= 16 and k % 4 == 0:
         return 4
     return 2 if k >= 8 and k % 2 == 0 else 1
@@ -212,14 +139,10 @@ def group_rows(k: int, dim: int, warps: int, width: int = 1) -> Tuple[int, int]:
 
 def spgemm_unroll(k: int, width: int = 1) -> int:
     """Neighbours whose loads a lane of the forward issues before it applies
-    their updates: 8 for ``8 <= k <= 32`` with 4-byte loads, else 4, as
-    measured on an H200 (Reddit-shaped graph, dim 256, staging 32 neighbours
-    per round; 4 / 8 neighbours: k=2 3.6 / 4.4 ms, k=4 2.9 / 3.3 ms, k=8 2.5
-    / 2.4 ms, k=32 6.6 / 5.9 ms, k=64 10.9 / 12.8 ms; at k=64 a lane already
-    has two slots per neighbour). With 2 or 4 slots per load the warp
-    already has ``32 / lanes`` neighbours per load, and 4 measured best
-    (k=32, 4 slots, 2 / 4 / 8 neighbours: 4.73 / 4.63 / 5.05 ms; k=16, 2
-    slots, 4 / 8: 2.90 / 2.99 ms)."""
+    their updates: 8 for ``8 <= k <= 32`` with 4-byte loads, else 4, the
+    fastest on an H200 (Reddit-shaped graph, dim 256): loads in flight per
+    warp matter more than warps per SM. With 2 or 4 slots per load the warp
+    already has ``32 / lanes`` neighbours per load, and 4 measured best."""
     if width > 1:
         return 4
     return 8 if 8 <= k <= WARP else 4
@@ -236,12 +159,8 @@ def reads_pairs(k: int) -> bool:
     8-byte load (16 bytes for 2 slots), and a neighbour's whole row with one
     load instruction per lane, where separate arrays of values and indices
     take two instructions and two L2 requests. The number of requests, not
-    of sectors, limited the gather at small k: gathering a 64-byte row with
-    one instruction took 0.87 ms against 1.57 ms for the separate arrays'
-    40 bytes (H200, Reddit-shaped graph, k=8). SpGEMM, dim 256, flat / pairs:
-    k=1 2.50 / 1.95 ms, k=2 2.09 / 1.88, k=4 2.14 / 1.58, k=8 2.03 / 1.81,
-    k=16 2.88 / 2.73 ms (rows packed into one sector, values then indices,
-    read with two instructions: k=1 2.08, k=2 1.91, k=4 1.70 ms)."""
+    of sectors, limits the gather at small k (``benchmarks/gather_ceiling.py``),
+    so up to :data:`PAIRS_MAX_K` pairs are faster."""
     return k <= PAIRS_MAX_K
 
 
@@ -471,8 +390,8 @@ def sspmm_kernel(dim: int, k: int, threads: int, weighted: bool, scaled: bool = 
                         j = slot + uint32(c) * chunk_step
                         live = active and j < kk
                         # Guarded loads here (unlike the forward's clamped ones):
-                        # measured faster on an H200 (k=32: 5.4 vs 7.0 ms), as
-                        # the fire-and-forget atomics never wait on them.
+                        # measured faster, as the fire-and-forget atomics never
+                        # wait on them.
                         for u in range(unroll):
                             q = first + uint32(u) * n_groups
                             if live and q < n:
@@ -501,3 +420,133 @@ def sspmm_kernel(dim: int, k: int, threads: int, weighted: bool, scaled: bool = 
             sync()  # buf is rewritten by the next item
 
     return sspmm
+
+
+#: Edges whose loads a group of the SDDMM issues before it reduces them.
+SDDMM_UNROLL = 4
+
+
+def sddmm_layout(k: int, width: int) -> Tuple[int, int, int]:
+    """``(lanes per edge, edges side by side, slot chunks per lane)`` of the
+    SDDMM: a power-of-two group of lanes (so that it reduces with xor
+    shuffles) covering ``k / width`` loads, at most a warp."""
+    lanes = 1
+    while lanes < WARP and lanes * width < k:
+        lanes *= 2
+    return lanes, WARP // lanes, -(-k // (lanes * width))
+
+
+@functools.lru_cache(maxsize=None)
+def _group_sum(lanes: int):
+    """``total(value, lane, warp, scratch)``: the sum of ``value`` over the
+    ``lanes`` (a power of two) lanes of the caller's group, valid in the
+    group's first lane. Xor shuffles on a GPU; in the simulator (no
+    shuffles) through the warp's ``scratch`` row, between two barriers."""
+    if simulator_enabled():
+        sync = warp_sync()
+        n = uint32(lanes)
+
+        @cuda.jit(device=True)
+        def total(value, lane, warp, scratch):
+            scratch[warp, lane] = value
+            sync()
+            first = lane - lane % n
+            t = float32(0.0)
+            for i in range(n):
+                t += scratch[warp, first + uint32(i)]
+            sync()
+            return t
+        return total
+    offsets = []
+    off = lanes // 2
+    while off > 0:
+        offsets.append(off)
+        off //= 2
+    steps = len(offsets)
+    first_offset = lanes // 2
+
+    @cuda.jit(device=True, inline=True)
+    def total(value, lane, warp, scratch):
+        off = uint32(first_offset)
+        for _ in range(steps):
+            value += cuda.shfl_xor_sync(FULL_MASK, value, off)
+            off = off // uint32(2)
+        return value
+    return total
+
+
+@functools.lru_cache(maxsize=None)
+def sddmm_kernel(dim: int, k: int, threads: int, width: int = 1, index_bits: int = 8):
+    """The compiled kernel of the gradient w.r.t. the edge values (a sampled
+    dense-dense product) for one ``(dim, k, threads, width, index_bits)``:
+    for every edge ``e = (c -> r)``, ``grad_weight[e] = sum_j values[c, j] *
+    grad_out[r, indices[c, j]]``.
+
+    One warp per work item of the forward's schedule (a row, or a slice of a
+    long row) stages ``grad_out[r]`` in shared memory. Its lanes split into
+    groups (:func:`sddmm_layout`); a group takes one edge at a time and its
+    lanes read ``width`` slots of the source's CBSR row per load (vector
+    loads, as the forward), multiply them with the staged row at their
+    columns, and reduce in float32 across the group. Each edge has one
+    writer: no atomics. ``values`` and ``indices`` are flat ``[N * k]``
+    arrays (``indices`` as words of ``width`` indices), ``grad_out`` is
+    ``[num_dst, dim]``."""
+    warps = threads // WARP
+    if not fits_shared_memory(k, dim, warps):
+        raise ValueError(f"dim={dim} is too wide for the SDDMM kernel's shared memory")
+    lanes, groups, chunks = sddmm_layout(k, width)
+    unroll = SDDMM_UNROLL
+    kk, vw = uint32(k), uint32(width)
+    n_lanes, n_groups, n_warps = uint32(lanes), uint32(groups), uint32(warps)
+    w32, d32, zero = uint32(WARP), uint32(dim), uint32(0)
+    chunk_step = uint32(lanes * width)
+    round_step = uint32(groups * unroll)
+    sync = warp_sync()
+    reduce = _group_sum(lanes)
+    load = vector_load(width) if width > 1 else None
+    field = _index_field(index_bits)
+    word_type = _word_type(index_bits, width)
+
+    @kernel_jit(max_registers=MAX_REGISTERS)
+    def sddmm(item_row, item_start, item_end, col, values, indices, grad_out, grad_weight,
+              num_items):
+        buf = cuda.shared.array((warps, dim), float32)
+        scratch = cuda.shared.array((warps, WARP), float32)  # the simulator's reductions
+        part = cuda.local.array(unroll, float32)              # registers after unrolling
+        lane = uint32(cuda.threadIdx.x) % w32
+        warp = uint32(cuda.threadIdx.x) // w32
+        group = lane // n_lanes
+        slot = (lane - group * n_lanes) * vw
+        for item in range(uint32(cuda.blockIdx.x) * n_warps + warp, uint32(num_items),
+                          uint32(cuda.gridDim.x) * n_warps):
+            r = uint32(item_row[item])
+            for d in range(lane, d32, w32):
+                buf[warp, d] = grad_out[r, d]
+            sync()
+            e1 = uint32(item_end[item])
+            for step in range(uint32(item_start[item]), e1, round_step):
+                for u in range(unroll):
+                    e = step + group + uint32(u) * n_groups
+                    acc = float32(0.0)
+                    if e < e1:
+                        base = uint64(col[e]) * kk
+                        for c in range(chunks):
+                            j = slot + uint32(c) * chunk_step
+                            if j < kk:
+                                s = base + j
+                                if width == 1:
+                                    acc += values[s] * buf[warp, uint32(indices[s])]
+                                else:
+                                    loaded = load(values, s)
+                                    word = word_type(indices[s // vw])
+                                    for w in range(width):
+                                        acc += loaded[w] * buf[warp, field(word, w)]
+                    part[u] = acc
+                for u in range(unroll):  # every lane reaches every shuffle
+                    total = reduce(part[u], lane, warp, scratch)
+                    e = step + group + uint32(u) * n_groups
+                    if lane % n_lanes == zero and e < e1:
+                        grad_weight[e] = total
+            sync()  # buf is rewritten by the next item
+
+    return sddmm

@@ -9,7 +9,8 @@ from torch import Tensor
 from torch_geometric.nn import MessagePassing
 
 from ..cbsr import CBSR
-from ..graph import CSRGraph, _is_edge_index_type, _is_sparse_tensor, _is_torch_sparse
+from ..graph import (CSRGraph, _is_edge_index_type, _is_sparse_tensor, _is_torch_sparse,
+                     graph_with_edge_values)
 from ..ops import _check_features, aggregate, check_k, maxk
 
 Features = Union[Tensor, CBSR]
@@ -42,6 +43,29 @@ def _cached_graph(adj: Any, sizes: Tuple[int, int], k: Optional[int], **kwargs) 
     if k is not None:
         graph.operands(k)  # built here, not in the compiled graph
     return graph
+
+
+def _learnable(edge_weight: Optional[Tensor]) -> bool:
+    return edge_weight is not None and edge_weight.requires_grad and torch.is_grad_enabled()
+
+
+def _learnable_values(adj: Any, options: dict) -> bool:
+    """Whether a sparse ``adj_t``'s values need a gradient and the conv reads
+    them (PyG's SAGE and GIN drop a ``SparseTensor``'s values)."""
+    if _is_sparse_tensor(adj):
+        return options.get("use_sparse_tensor_values", True) and _learnable(adj.storage.value())
+    if _is_torch_sparse(adj):
+        return _learnable(adj._values() if adj.layout == torch.sparse_coo else adj.values())
+    return False
+
+
+@torch.compiler.disable
+def _graph_with_edge_values(adj, sizes, edge_weight, mask, normalization, gcn_improved,
+                            gcn_add_self_loops, dtype, k) -> CSRGraph:
+    # The structure lookup keys on object identity; autograd records the
+    # edge values' computation even outside the compiled graph.
+    return graph_with_edge_values(adj, sizes, edge_weight, mask, normalization,
+                                  gcn_improved, gcn_add_self_loops, dtype, k)
 
 
 @torch.compiler.disable
@@ -168,7 +192,6 @@ class MaxKConv(MessagePassing):
         other adjacency is looked up in (or built into) the graph cache
         outside the compiled graph: one graph break per conv call.
         """
-        self._check_no_explain_mask()
         options = self.graph_options()
         normalization = options.pop("normalization")
         sizes = self.resolve_size(adj, x_src, x_dst, size)
@@ -177,25 +200,38 @@ class MaxKConv(MessagePassing):
             raise ValueError(
                 f"The features are on {device} but the adjacency is on "
                 f"{_adj_device(adj)}; move both to the same device")
+        mask = self.explain_edge_mask()
+        dtype = torch.float64 if x_src.dtype == torch.float64 else torch.float32
+        if mask is not None or _learnable(edge_weight) or _learnable_values(adj, options):
+            if isinstance(adj, CSRGraph):
+                raise NotImplementedError(
+                    f"{self.__class__.__name__} applies an explain edge mask or learnable "
+                    f"edge weights to an edge_index or sparse adjacency, not to a prepared "
+                    f"CSRGraph (which fixes its edge values): pass the edge_index")
+            # The cached structure; the edge values recomputed per call,
+            # differentiably (their gradient: the SDDMM of the aggregation).
+            return _graph_with_edge_values(adj, sizes, edge_weight, mask, normalization,
+                                           options.get("gcn_improved", False),
+                                           options.get("gcn_add_self_loops", True), dtype,
+                                           _kept(x_src, self.k))
         if isinstance(adj, CSRGraph):
             self._check_prepared(adj, normalization, edge_weight, options)
             k = _kept(x_src, self.k)
             return adj if k is None or adj.is_prepared(k) else _prepare(adj, k)
-        dtype = torch.float64 if x_src.dtype == torch.float64 else torch.float32
         return _cached_graph(adj, sizes, _kept(x_src, self.k),
                              edge_weight=edge_weight, normalization=normalization, dtype=dtype,
                              **options)
 
-    def _check_no_explain_mask(self) -> None:
-        # PyG's explainers multiply an edge mask into every message inside
-        # propagate(), which the sparse product does not call: running on
-        # would silently ignore the mask.
-        if self.explain and getattr(self, "_edge_mask", None) is not None:
-            raise NotImplementedError(
-                f"{self.__class__.__name__} cannot apply the edge mask of PyG's explain "
-                f"module yet (its sparse aggregation has no gradient w.r.t. edge "
-                f"values): explain the stock PyG model instead, e.g. with the same "
-                f"state dict loaded into torch_geometric.nn convs.")
+    def explain_edge_mask(self) -> Optional[Tensor]:
+        """The edge mask of PyG's explain module as ``propagate`` applies it
+        (after the sigmoid where PyG asks for one), or None when this conv
+        is not being explained. The sparse aggregation multiplies it into
+        each edge's value, where ``explain_message`` multiplies it into each
+        message."""
+        mask = getattr(self, "_edge_mask", None)
+        if not self.explain or mask is None:
+            return None
+        return mask.sigmoid() if self._apply_sigmoid else mask
 
     def _check_prepared(self, graph: CSRGraph, normalization: str,
                         edge_weight: Optional[Tensor], options: dict) -> None:

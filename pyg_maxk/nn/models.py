@@ -96,7 +96,8 @@ class MaxKBasicGNN(torch.nn.Module):
         if trim and num_sampled_edges_per_hop is None:
             raise ValueError("num_sampled_edges_per_hop is needed with num_sampled_nodes_per_hop")
         x = self.lin_in(x)
-        if self.is_maxk and not trim:
+        if self.is_maxk and not trim and not any(
+                conv.explain_edge_mask() is not None for conv in self.convs):
             # Every conv aggregates over the same graph: resolve it once (one
             # graph break under torch.compile for a raw adjacency, none for a
             # CSRGraph), not once per conv.

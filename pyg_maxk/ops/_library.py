@@ -176,21 +176,37 @@ def _spgemm_fake(*args):
     return values.new_empty(num_dst, dim)
 
 
+#: Position of the edge values among the graph arguments.
+_WEIGHT_ARG = GraphOperands._fields.index("weight")
+
+
 def _spgemm_setup(ctx, inputs, output) -> None:
     graph, (values, indices, _, _, backend) = inputs[:NUM_GRAPH_ARGS], inputs[NUM_GRAPH_ARGS:]
     ctx.num_src = values.size(0)
     ctx.values_dtype = values.dtype
     ctx.backend = backend
     ctx.present = [t is not None for t in graph]
-    ctx.save_for_backward(indices, *[t for t in graph if t is not None])
+    weight = graph[_WEIGHT_ARG]
+    # The edge values' gradient (an SDDMM) needs the CBSR values too.
+    ctx.weight_grad = weight is not None and weight.requires_grad
+    ctx.save_for_backward(indices, values if ctx.weight_grad else None,
+                          *[t for t in graph if t is not None])
 
 
 def _spgemm_backward(ctx, grad_out):
-    indices, *present = ctx.saved_tensors
+    indices, values, *present = ctx.saved_tensors
     graph = [present.pop(0) if p else None for p in ctx.present]
-    grad_values = sspmm(*graph, indices, grad_out.contiguous(), ctx.num_src, ctx.backend)
-    grad_values = grad_values.to(ctx.values_dtype)
-    return (None,) * NUM_GRAPH_ARGS + (grad_values, None, None, None, None)
+    grad_out = grad_out.contiguous()
+    grad_values = grad_weight = None
+    if ctx.needs_input_grad[NUM_GRAPH_ARGS]:
+        grad_values = sspmm(*graph, indices, grad_out, ctx.num_src, ctx.backend)
+        grad_values = grad_values.to(ctx.values_dtype)
+    if ctx.weight_grad and ctx.needs_input_grad[_WEIGHT_ARG]:
+        weight = graph[_WEIGHT_ARG]
+        grad_weight = sddmm(*graph, values, indices, grad_out, ctx.backend).to(weight.dtype)
+    grads = [None] * NUM_GRAPH_ARGS
+    grads[_WEIGHT_ARG] = grad_weight
+    return (*grads, grad_values, None, None, None, None)
 
 
 def _sspmm(rowptr: Tensor, col: Tensor, weight: Optional[Tensor], row_scale: Optional[Tensor],
@@ -209,8 +225,28 @@ def _sspmm_fake(*args):
     return grad_out.new_empty(num_src, indices.size(1))
 
 
+def _sddmm(rowptr: Tensor, col: Tensor, weight: Optional[Tensor], row_scale: Optional[Tensor],
+           item_row: Tensor, item_start: Tensor, item_end: Tensor, item_split: Tensor,
+           zeroed_rows: Tensor, colptr: Optional[Tensor], row_t: Optional[Tensor],
+           weight_t: Optional[Tensor], values: Tensor, indices: Tensor, grad_out: Tensor,
+           backend: str) -> Tensor:
+    g = GraphOperands(rowptr, col, weight, row_scale, item_row, item_start, item_end,
+                      item_split, zeroed_rows, colptr, row_t, weight_t)
+    return _impls("aggregate", backend, grad_out, dim=grad_out.size(1),
+                  k=indices.size(1)).sddmm(g, values, indices, grad_out)
+
+
+def _sddmm_fake(*args):
+    col, values, grad_out = args[1], args[NUM_GRAPH_ARGS], args[NUM_GRAPH_ARGS + 2]
+    return grad_out.new_empty(col.size(0), dtype=torch.promote_types(values.dtype,
+                                                                     torch.float32))
+
+
 #: No autograd of its own (no double backward through the aggregation).
 sspmm = KernelOp("sspmm", _sspmm, _sspmm_fake)
+#: The gradient of the aggregation w.r.t. its edge values (CSR order), float32
+#: at least; no autograd of its own.
+sddmm = KernelOp("sddmm", _sddmm, _sddmm_fake)
 spgemm = KernelOp("spgemm", _spgemm, _spgemm_fake, _spgemm_setup, _spgemm_backward)
 
 
@@ -225,14 +261,26 @@ def _spmm_fake(rowptr, col, weight, dense, num_src, transpose):
 
 def _spmm_setup(ctx, inputs, output) -> None:
     rowptr, col, weight, dense, num_src, transpose = inputs
-    ctx.save_for_backward(rowptr, col, weight)
+    ctx.weight_grad = weight is not None and weight.requires_grad
+    ctx.save_for_backward(rowptr, col, weight, dense if ctx.weight_grad else None)
     ctx.num_src, ctx.transpose = num_src, transpose
 
 
 def _spmm_backward(ctx, grad_out):
-    rowptr, col, weight = ctx.saved_tensors
-    grad = spmm(rowptr, col, weight, grad_out.contiguous(), ctx.num_src, not ctx.transpose)
-    return None, None, None, grad, None, None
+    rowptr, col, weight, dense = ctx.saved_tensors
+    grad_out = grad_out.contiguous()
+    grad_dense = grad_weight = None
+    if ctx.needs_input_grad[3]:
+        grad_dense = spmm(rowptr, col, weight, grad_out, ctx.num_src, not ctx.transpose)
+    if ctx.weight_grad and ctx.needs_input_grad[2]:
+        # Edge e = (c -> r): <dense[c], grad_out[r]> (rows and columns swap
+        # for the transposed product); an [E, d] product, torch's own ops.
+        row = torch.repeat_interleave(torch.arange(rowptr.numel() - 1, device=col.device),
+                                      (rowptr[1:] - rowptr[:-1]).long(), output_size=col.numel())
+        src, dst = (row, col.long()) if ctx.transpose else (col.long(), row)
+        acc = torch.promote_types(dense.dtype, torch.float32)
+        grad_weight = (dense[src].to(acc) * grad_out[dst].to(acc)).sum(1).to(weight.dtype)
+    return None, None, grad_weight, grad_dense, None, None
 
 
 #: The aggregation of dense features (``A @ X``; ``A^T @ X`` with
@@ -322,4 +370,5 @@ cbsr_linear = KernelOp("cbsr_linear", _cbsr_linear, _cbsr_linear_fake, _cbsr_lin
                        _cbsr_linear_backward)
 
 #: Every op of this module, for tests (opcheck) and docs.
-ALL_OPS = (maxk_select, cbsr_to_dense, spgemm, sspmm, spmm, cbsr_linear, cbsr_linear_backward)
+ALL_OPS = (maxk_select, cbsr_to_dense, spgemm, sspmm, sddmm, spmm, cbsr_linear,
+           cbsr_linear_backward)

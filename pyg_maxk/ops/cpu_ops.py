@@ -57,6 +57,16 @@ def sspmm(g: GraphOperands, indices: Tensor, grad_out: Tensor, num_src: int) -> 
     return grad_values
 
 
+def sddmm(g: GraphOperands, values: Tensor, indices: Tensor, grad_out: Tensor) -> Tensor:
+    """The gradient ``[E]`` of :func:`spgemm` w.r.t. the edge values (in CSR
+    order), one thread per output row."""
+    grad_weight = grad_out.new_empty(g.col.numel())                   # [E]
+    kernels.sddmm_rows(g.rowptr.numpy(), g.col.numpy(), values.detach().contiguous().numpy(),
+                       indices.contiguous().numpy(), grad_out.detach().contiguous().numpy(),
+                       grad_weight.numpy())
+    return grad_weight
+
+
 #: Most ``[dim, out]`` partial weight gradients summed per backward (one per
 #: thread at most): bounds their memory on many-core machines.
 MAX_WEIGHT_GRAD_PARTS = 16

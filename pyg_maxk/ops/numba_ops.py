@@ -27,7 +27,7 @@ from ..kernels._warp import WARP
 from ..kernels.linear import (LINEAR_WARPS, column_tiles, linear_blocks, linear_fits,
                               linear_kernel, linear_shared_bytes)
 from ..kernels.maxk_select import ROWS_PER_BLOCK, densify_fits, densify_kernel, select_kernel
-from ..kernels.spgemm import (fits_shared_memory, reads_pairs, spgemm_kernel,
+from ..kernels.spgemm import (fits_shared_memory, reads_pairs, sddmm_kernel, spgemm_kernel,
                               spgemm_vector_width, sspmm_kernel, sspmm_vector_width)
 from ._common import as_dtype
 from ._launch import device_index, launcher
@@ -41,9 +41,8 @@ KERNEL_DTYPE = torch.float32
 UINT32_MAX = 2**32 - 1
 #: Edges from which the forward reads the CBSR as (value, index) pairs
 #: (:func:`value_index_pairs`, :func:`~pyg_maxk.kernels.spgemm.reads_pairs`).
-#: Building them costs two copy launches (about 28 us of host time; 0.04 ms
-#: on an H200 for a Reddit-shaped CBSR) and saves one L2 request per edge
-#: (k=8: 0.22 ms over 114M edges, about 2 us per million edges).
+#: Building them costs two copy launches (host time that small graphs would
+#: notice) and saves one L2 request per edge, which pays on large graphs.
 PAIRS_MIN_EDGES = 1 << 24
 
 
@@ -233,8 +232,7 @@ def spgemm(g: GraphOperands, values: Tensor, indices: Tensor, num_dst: int,
     check_cbsr_offsets(values.size(0), k, g.col.numel())
     weight, row_scale = kernel_weights(g)
     # Only the rows no single item writes whole start from zero, not all of
-    # [num_dst, dim]: at Reddit's size, dim 256, k=8 (24,940 of 232,965 rows)
-    # 0.034 instead of 0.073 ms on an H200, beside a 1.87 ms product.
+    # [num_dst, dim] (about a tenth of the rows on a power-law graph).
     out = torch.empty(num_dst, dim, dtype=KERNEL_DTYPE, device=values.device)
     if g.zeroed_rows.numel() > 0:
         out.index_fill_(0, g.zeroed_rows, 0.0)
@@ -275,6 +273,26 @@ def sspmm(g: GraphOperands, indices: Tensor, grad_out: Tensor, num_src: int) -> 
             g.col, _or_unread(weight, g.item_start), _or_unread(row_scale, g.item_start),
             index_words, g32, grad_values.view(-1), num_items)
     return as_dtype(grad_values, grad_out.dtype)
+
+
+def sddmm(g: GraphOperands, values: Tensor, indices: Tensor, grad_out: Tensor) -> Tensor:
+    """The gradient ``[E]`` (float32, CSR order) of :func:`spgemm` w.r.t. the
+    edge values: per edge, the dot product of the source's CBSR row with
+    ``grad_out``'s target row at its columns (a group of lanes per edge,
+    reading slots as the backward does)."""
+    k = indices.size(1)
+    dim = grad_out.size(1)
+    check_cbsr_offsets(values.size(0), k, 0)
+    grad_weight = torch.empty(g.col.numel(), dtype=KERNEL_DTYPE, device=grad_out.device)
+    num_items = g.item_row.numel()
+    if num_items > 0:
+        run, threads, blocks = _item_launch(num_items, grad_out.device)
+        v32 = _kernel_input(values).view(-1)
+        index_words, width, bits = _index_operand(indices, sspmm_vector_width(k), v32)
+        run(sddmm_kernel(dim, k, threads, width, bits), blocks, threads, grad_out.device,
+            g.item_row, g.item_start, g.item_end, g.col, v32, index_words,
+            _kernel_input(grad_out), grad_weight, num_items)
+    return grad_weight
 
 
 def _as_kernel_dtype(t: Optional[Tensor]) -> Optional[Tensor]:

@@ -71,6 +71,19 @@ def sspmm(g: GraphOperands, indices: Tensor, grad_out: Tensor, num_src: int) -> 
     return spmm(g.rowptr, g.col, g.weight, grad_out, num_src, True).gather(1, indices.long())
 
 
+def sddmm(g: GraphOperands, values: Tensor, indices: Tensor, grad_out: Tensor) -> Tensor:
+    """The gradient ``[E]`` of :func:`spgemm` w.r.t. the edge values (CSR
+    order): for ``e = (c -> r)``, ``sum_j values[c, j] * grad_out[r, indices[c, j]]``,
+    accumulated in float32 at least."""
+    num_dst = g.rowptr.numel() - 1
+    dtype = torch.promote_types(values.dtype, torch.float32)
+    row = torch.repeat_interleave(torch.arange(num_dst, device=grad_out.device),
+                                  (g.rowptr[1:] - g.rowptr[:-1]).long(), output_size=g.col.numel())
+    col = g.col.long()
+    sampled = grad_out.to(dtype)[row.unsqueeze(1), indices[col].long()]    # [E, k]
+    return (sampled * values[col].to(dtype)).sum(1)
+
+
 def cbsr_linear(values: Tensor, indices: Tensor, dim: int, weight: Tensor,
                 bias: Optional[Tensor], densify: Densify = cbsr_to_dense) -> Tensor:
     """``F.linear(densify(h), weight, bias)``."""
