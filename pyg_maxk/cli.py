@@ -19,8 +19,8 @@ from typing import Dict, List, Optional
 import torch
 
 from .datasets import PRESETS, DatasetUnavailable, dataset_names, load_dataset
-from .training import (TrainConfig, ddp_context, ddp_shutdown, flush_denormals, train_full_batch,
-                       train_neighbor)
+from .training import (STOCK_FORMS, TrainConfig, ddp_context, ddp_shutdown, flush_denormals,
+                       train_full_batch, train_neighbor)
 
 DEFAULT_DATASET = "small"
 
@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--compare", action="store_true",
                    help="also train the stock-PyG ReLU model with the same settings and "
                         "print a side-by-side table")
+    t.add_argument("--stock-form", choices=STOCK_FORMS, default="auto",
+                   help="the stock model's adjacency with --compare (full batch); auto: "
+                        "the fastest measured for the device and graph (edge_index on a "
+                        "GPU below ~1M edges, else a torch.sparse CSR adj_t)")
     t.add_argument("--loader", choices=["full", "neighbor"], default="full",
                    help="full-batch training, or mini-batches from PyG's NeighborLoader")
     t.add_argument("--fanout", type=_fanout, default=[25, 10],
@@ -98,6 +102,7 @@ def _config(args, device: str) -> TrainConfig:
                        dropout=args.dropout, seed=args.seed,
                        device=device, fanout=args.fanout, batch_size=args.batch_size,
                        num_workers=args.num_workers, log_every=args.log_every,
+                       stock_form=args.stock_form,
                        progress=False if args.no_progress else None)
 
 
@@ -169,7 +174,7 @@ def save_model(model: torch.nn.Module, path: str, rank: int, world: int) -> None
 
 def print_summary(results: Dict[str, object], metric: str, args) -> None:
     per_s = args.loader == "neighbor"
-    header = f"{'model':<14}{'test ' + metric:>16}{'epoch ms':>12}{'speedup':>9}{'peak MiB':>11}"
+    header = f"{'model':<26}{'test ' + metric:>16}{'epoch ms':>12}{'speedup':>9}{'peak MiB':>11}"
     if per_s:
         header += f"{'seeds/s':>11}"
     print()
@@ -177,7 +182,8 @@ def print_summary(results: Dict[str, object], metric: str, args) -> None:
     stock = results.get("stock")
     for r in results.values():
         speedup = stock.epoch_ms / r.epoch_ms if stock is not None else float("nan")
-        line = (f"{r.label:<14}{r.test_metric:>16.4f}{r.epoch_ms:>12.2f}"
+        label = r.label if r is not stock else f"{r.label} ({r.adjacency})"
+        line = (f"{label:<26}{r.test_metric:>16.4f}{r.epoch_ms:>12.2f}"
                 f"{_fmt(speedup, '{:.2f}x'):>9}{_fmt(r.peak_mib, '{:.1f}'):>11}")
         if per_s:
             line += f"{r.seeds_per_s:>11.0f}"
@@ -185,8 +191,8 @@ def print_summary(results: Dict[str, object], metric: str, args) -> None:
     m = results["maxk"]
     if stock is not None:
         print(f"summary: MaxK k={args.k} test {metric} {m.test_metric:.4f} vs stock "
-              f"{stock.test_metric:.4f}, epoch {m.epoch_ms:.2f} ms vs {stock.epoch_ms:.2f} ms "
-              f"({stock.epoch_ms / m.epoch_ms:.2f}x)")
+              f"({stock.adjacency}) {stock.test_metric:.4f}, epoch {m.epoch_ms:.2f} ms vs "
+              f"{stock.epoch_ms:.2f} ms ({stock.epoch_ms / m.epoch_ms:.2f}x)")
     else:
         print(f"summary: MaxK k={args.k} test {metric} {m.test_metric:.4f}, "
               f"epoch {m.epoch_ms:.2f} ms")

@@ -38,6 +38,7 @@ class TrainConfig:
     batch_size: int = 1024
     num_workers: int = 0
     log_every: int = 0          # print a line every n epochs (0: ~10 lines per run)
+    stock_form: str = "auto"    # the stock model's adjacency (full batch): see stock_adjacency
     progress: Optional[bool] = None  # tqdm bar; None: only on a terminal
 
 
@@ -51,6 +52,7 @@ class RunResult:
     losses: List[float]
     seeds_per_s: Optional[float] = None
     model: Optional[torch.nn.Module] = field(default=None, repr=False)
+    adjacency: str = "edge_index"  # the adjacency form the model trained on
 
     def as_dict(self) -> Dict[str, object]:
         return {k: v for k, v in self.__dict__.items() if k != "model"}
@@ -74,12 +76,45 @@ def flush_denormals(device: str | torch.device) -> bool:
 
 
 def build_model(cfg: TrainConfig, in_channels: int, out_channels: int,
-                k: Optional[int]) -> torch.nn.Module:
+                k: Optional[int], **conv_kwargs) -> torch.nn.Module:
     """The MaxK model (``k`` an int) or the stock ReLU model (``k=None``)."""
     if cfg.model not in MODELS:
         raise ValueError(f"Unknown model {cfg.model!r}; choose one of {sorted(MODELS)}")
     return MODELS[cfg.model](in_channels, cfg.hidden, cfg.layers, out_channels, k=k,
-                             dropout=cfg.dropout)
+                             dropout=cfg.dropout, **conv_kwargs)
+
+
+#: Adjacency forms the stock model can train on (full batch).
+STOCK_FORMS = ("auto", "edge_index", "csr", "SparseTensor")
+#: Edges below which stock PyG trains fastest on ``edge_index`` on a GPU (its
+#: gather/scatter launches fewer kernels than the CSR product); from here and
+#: on a CPU a ``torch.sparse`` CSR ``adj_t`` is faster. Measured on an H200 and
+#: on a 2-core CPU (``benchmarks/train.py``: ``train.json``, ``train-cpu*.json``).
+EDGE_INDEX_MAX_EDGES = 1 << 20
+
+
+def fastest_stock_form(device: torch.device, num_edges: int) -> str:
+    """The adjacency form in which stock PyG trains fastest here (measured)."""
+    if torch.device(device).type == "cuda" and num_edges < EDGE_INDEX_MAX_EDGES:
+        return "edge_index"
+    return "csr"
+
+
+def stock_adjacency(form: str, edge_index: Tensor, num_nodes: int, device: torch.device):
+    """``(adj, form)``: the stock model's adjacency in ``form`` (``"auto"``:
+    :func:`fastest_stock_form`)."""
+    if form == "auto":
+        form = fastest_stock_form(device, edge_index.size(1))
+    if form == "edge_index":
+        return edge_index, form
+    if form == "csr":
+        from torch_geometric.utils import to_torch_csr_tensor
+        return to_torch_csr_tensor(edge_index.flip(0), size=(num_nodes, num_nodes)), form
+    if form == "SparseTensor":
+        from torch_sparse import SparseTensor
+        return SparseTensor(row=edge_index[1], col=edge_index[0],
+                            sparse_sizes=(num_nodes, num_nodes)), form
+    raise ValueError(f"Unknown stock form {form!r}; choose one of {STOCK_FORMS}")
 
 
 def seed_everything(seed: int) -> None:
@@ -187,8 +222,13 @@ def train_full_batch(task: NodeTask, cfg: TrainConfig, k: Optional[int],
                      verbose: bool = True) -> RunResult:
     device = torch.device(cfg.device)
     data = task.data.to(device)
+    adj, form = data.edge_index, None
+    if k is None:  # the stock model, in its fastest (or the requested) form
+        adj, form = stock_adjacency(cfg.stock_form, data.edge_index, data.num_nodes, device)
     seed_everything(cfg.seed)
-    model = build_model(cfg, data.num_features, task.num_classes, k).to(device)
+    # Full batch: GCN's normalisation is computed once on both sides.
+    kwargs = {"cached": True} if cfg.model == "gcn" else {}
+    model = build_model(cfg, data.num_features, task.num_classes, k, **kwargs).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     progress = _start_run(cfg, device, k, verbose)
     times, losses = [], []
@@ -198,7 +238,7 @@ def train_full_batch(task: NodeTask, cfg: TrainConfig, k: Optional[int],
         start = time.perf_counter()
         model.train()
         opt.zero_grad(set_to_none=True)
-        out = model(data.x, data.edge_index)
+        out = model(data.x, adj)
         loss = loss_fn(task, out[data.train_mask], data.y[data.train_mask])
         loss.backward()
         opt.step()
@@ -206,7 +246,7 @@ def train_full_batch(task: NodeTask, cfg: TrainConfig, k: Optional[int],
         times.append((time.perf_counter() - start) * 1e3)
         model.eval()
         with torch.no_grad():
-            out = model(data.x, data.edge_index)
+            out = model(data.x, adj)
         val = score(task, out[data.val_mask], data.y[data.val_mask])
         if val > best_val:
             best_val = val
@@ -215,7 +255,7 @@ def train_full_batch(task: NodeTask, cfg: TrainConfig, k: Optional[int],
         progress.update(epoch, losses[-1], val, task.metric)
     progress.close()
     return RunResult(_label(k), test_at_best, best_val, _steady(times), _peak_mib(device), losses,
-                     model=model)
+                     model=model, adjacency=form or "edge_index")
 
 
 # -------------------------------------------------------------- mini-batch
