@@ -8,9 +8,7 @@ adds ``w`` float32 to ``array[i:i + w]`` with one vector reduction
 (16 bytes for 4 float32); callers check it on the host.
 
 Why: gathering CBSR rows with one 4-byte load per slot is limited by load
-instructions, not bytes. On an H200 (Reddit-shaped graph, 114.6M edges,
-k=32) the gather of values and indices took 4.5 ms with 4-byte loads and
-2.0 ms with 16-byte ones.
+instructions, not bytes (``benchmarks/gather_ceiling.py``).
 
 Under Numba's simulator both are plain Python over the elements.
 """

@@ -14,17 +14,10 @@ stages its row's values and their offsets in the tile in shared memory, and
 every lane reads them back (broadcasts) and then the ``W^T`` entry of its own
 column: consecutive lanes, consecutive banks. Each lane loads its share of
 the warp's next row before it sums the current one, so that the load latency
-hides behind the sums (2.45M rows, k=32: 8.5 -> 6.3 ms).
-
-Measured on an H200 (dim 256, 256 outputs; this kernel / densify + F.linear):
-2,449,029 rows k=4 1.89 / 7.82 ms, k=8 2.81 / 7.78, k=16 3.74 / 7.78, k=24
-5.03 / 7.83, k=32 6.34 / 7.81 ms; 232,965 rows k=8 0.37 / 0.89, k=32 0.60 /
-0.81 ms (``benchmarks/kernels.py`` for the other dims and k). Reading two
-staged slots per 16-byte broadcast measured the same as one value and one
-offset at a time (k=32: 6.38 / 6.34 ms), so it reads them one at a time. The
-cost is about a fixed part per row and tile plus shared-memory reads per slot
-(2.45M rows: 1.6 ms + 0.15 ms per slot), while the dense path's depends on
-``dim`` alone: :func:`linear_pays` says where the kernel wins.
+hides behind the sums. The cost is about a fixed part per row and tile plus
+shared-memory reads per slot, while the dense path's depends on ``dim``
+alone: :func:`linear_pays` says where the kernel wins (``benchmarks/kernels.py``
+measures both).
 """
 from __future__ import annotations
 
@@ -57,10 +50,8 @@ def linear_fits(dim: int, k: int, warps: int = LINEAR_WARPS) -> bool:
 
 
 def linear_pays(dim: int, k: int) -> bool:
-    """Whether the kernel beats densify + GEMM: ``k <= max(16, dim / 8)``, as
-    measured on an H200 (232,965 rows, ``dim -> dim``; kernel / dense path):
-    dim 64 k=16 0.15 / 0.17 ms, k=32 0.21 / 0.16; dim 128 k=16 0.29 / 0.38,
-    k=32 0.43 / 0.34; dim 256 k=32 0.60 / 0.81, k=64 3.3 / 0.82 ms."""
+    """Whether the kernel beats densify + GEMM: ``k <= max(16, dim / 8)``, the
+    boundary measured on an H200 (``benchmarks/kernels.py``, dims 64-512)."""
     return k <= max(16, dim // 8)
 
 
