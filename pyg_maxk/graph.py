@@ -640,10 +640,13 @@ def graph_with_edge_values(adj: Any, size: Optional[Tuple[Optional[int], Optiona
                            normalization: str, gcn_improved: bool = False,
                            gcn_add_self_loops: bool = True,
                            dtype: torch.dtype = torch.float32,
-                           k: Optional[int] = None) -> CSRGraph:
-    """The graph of an ``edge_index`` whose edge values are recomputed on
-    every call, differentiably, from ``edge_weight`` and ``edge_mask``
-    (either may need a gradient): PyG's semantics, in the edge list's order.
+                           k: Optional[int] = None,
+                           loop_mask: Optional[Tensor] = None) -> CSRGraph:
+    """The graph of an adjacency whose edge values are recomputed on every
+    call, differentiably, from ``edge_weight`` and ``edge_mask`` (either may
+    need a gradient): PyG's semantics, in the order of the edge list (of an
+    ``edge_index``) or of the stored entries (of a sparse ``adj_t``, whose
+    learnable values play ``edge_weight``'s part).
 
     * ``"gcn"``: ``gcn_norm(edge_index, edge_weight)``'s values (self-loops
       added after the edges), each times the mask. A mask of one entry per
@@ -652,20 +655,19 @@ def graph_with_edge_values(adj: Any, size: Optional[Tuple[Optional[int], Optiona
     * ``"sum"``: ``edge_weight`` (or ones) times the mask.
     * ``"mean"``: the mask over the in-degree (PyG's mean counts every
       message, masked or not).
+    * With a mask, SAGE and GIN ignore a sparse ``adj_t``'s values (PyG's
+      explained ``propagate`` sends plain messages); GCN's normalised sparse
+      matrix has its self-loops in place, and the mask is extended as PyG
+      extends it: its entries at ``loop_mask`` (PyG's explainers set it),
+      then ones.
 
     The structure and its work schedules (built for ``k`` when given) come
     from :func:`edge_structure` (cached); only the ``[E]`` values are new per
     call.
     """
-    sparse = _is_sparse_tensor(adj) or _is_torch_sparse(adj)
-    if edge_mask is not None and (sparse or not isinstance(adj, Tensor)):
-        raise NotImplementedError(
-            f"pyg_maxk applies edge masks (PyG's explain) to an edge_index adjacency "
-            f"only (a tensor or EdgeIndex, whose edge order the mask follows); got "
-            f"{type(adj).__name__}. Pass the edge_index instead.")
-    if sparse:
+    if _is_sparse_tensor(adj) or _is_torch_sparse(adj):
         return _sparse_graph_with_values(adj, normalization, gcn_improved,
-                                         gcn_add_self_loops, dtype, k)
+                                         gcn_add_self_loops, dtype, k, edge_mask, loop_mask)
     if size is None or size[0] is None or size[1] is None:
         raise ValueError("Building a CSRGraph from an edge_index needs size=(num_src, num_dst)")
     sizes = (int(size[0]), int(size[1]))
@@ -704,12 +706,13 @@ def graph_with_edge_values(adj: Any, size: Optional[Tuple[Optional[int], Optiona
 
 
 def _sparse_graph_with_values(adj: Any, normalization: str, gcn_improved: bool,
-                              gcn_add_self_loops: bool, dtype: torch.dtype,
-                              k: Optional[int]) -> CSRGraph:
-    """:func:`graph_with_edge_values` of a sparse ``adj_t`` whose values need
-    a gradient: PyG's ``gcn_norm`` of it (differentiable in the values), on
+                              gcn_add_self_loops: bool, dtype: torch.dtype, k: Optional[int],
+                              edge_mask: Optional[Tensor],
+                              loop_mask: Optional[Tensor]) -> CSRGraph:
+    """:func:`graph_with_edge_values` of a sparse ``adj_t``: PyG's
+    ``gcn_norm`` of it (differentiable in the values), times the mask, on
     the cached structure."""
-    if normalization == "mean":
+    if normalization == "mean" and edge_mask is None:
         raise NotImplementedError("pyg_maxk's mean aggregation ignores the sparse values")
     sizes = _sparse_size(adj)
     if normalization == "gcn":
@@ -734,6 +737,19 @@ def _sparse_graph_with_values(adj: Any, normalization: str, gcn_improved: bool,
             _SPARSE_STRUCTURES.pop(next(iter(_SPARSE_STRUCTURES)))
     if k is not None:
         structure.operands(k)
+    if edge_mask is not None:
+        if normalization != "gcn":  # plain messages: the stored values do not count
+            values = torch.ones(col.numel(), dtype=dtype, device=col.device)
+        if edge_mask.numel() != values.numel() and loop_mask is not None:
+            edge_mask = edge_mask[loop_mask]
+            edge_mask = torch.cat([edge_mask, edge_mask.new_ones(values.numel()
+                                                                 - edge_mask.numel())])
+        if edge_mask.numel() != values.numel():
+            raise ValueError(f"The edge mask has {edge_mask.numel()} entries for "
+                             f"{values.numel()} edges")
+        values = values.to(dtype) * edge_mask.to(dtype)
+        if normalization == "mean":
+            values = values * _inverse_degree_per_edge(structure).to(dtype)
     return structure.with_weight(values.to(dtype).contiguous(), normalization)
 
 

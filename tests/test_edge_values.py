@@ -136,7 +136,7 @@ def test_bipartite_mask_and_the_empty_edge_set(backend):
             torch.testing.assert_close(m_ours.grad, m_stock.grad, **_tol(dtype))
 
 
-def test_masks_and_learnable_weights_need_an_edge_index():
+def test_masks_and_learnable_weights_need_more_than_a_prepared_graph():
     ours, _ = make_pair("gcn")
     ei = random_edge_index(N, N, 40)
     x = torch.randn(N, F_IN)
@@ -146,8 +146,6 @@ def test_masks_and_learnable_weights_need_an_edge_index():
     set_masks(ours, torch.rand(ei.size(1), requires_grad=True), ei)
     with pytest.raises(NotImplementedError, match="prepared"):
         ours(x, prepared)
-    with pytest.raises(NotImplementedError, match="edge_index"):
-        ours(x, torch.sparse_coo_tensor(ei.flip(0), torch.ones(ei.size(1)), (N, N)))
     clear_masks(ours)
     with pytest.raises(NotImplementedError, match="prepared"):
         ours(x, prepared, w)
@@ -242,3 +240,32 @@ def test_learnable_edge_weights_under_compile():
         grads.append([w.grad] + [p.grad.clone() for p in model.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["sage", "gcn", "gin"])
+@pytest.mark.parametrize("form", ["csr", "SparseTensor"])
+def test_explain_edge_mask_on_a_sparse_adjacency(backend, kind, form):
+    """PyG's explained propagate takes a sparse ``adj_t`` too: its mask follows
+    the stored entries (CSR order), extended past GCN's self-loops as PyG
+    extends it."""
+    dtype = _dtype(backend)
+    ei = torch.unique(_edges(), dim=1)
+    ei = ei[:, torch.argsort(ei[1] * N + ei[0])]  # CSR order
+    values = (torch.rand(ei.size(1), dtype=dtype) + 0.5).to(DEVICE)
+    if form == "SparseTensor":
+        torch_sparse = pytest.importorskip("torch_sparse")
+        if DEVICE == "cuda":
+            from test_gpu import sparse_tensor_on_cuda_or_skip
+            sparse_tensor_on_cuda_or_skip()
+        adj = torch_sparse.SparseTensor(row=ei[1], col=ei[0], value=values,
+                                        sparse_sizes=(N, N), is_sorted=True)
+    else:
+        adj = torch.sparse_coo_tensor(ei.flip(0), values, (N, N)).coalesce().to_sparse_csr()
+    mask = torch.randn(ei.size(1), dtype=dtype, device=DEVICE)
+    m_ours, m_stock = mask.clone().requires_grad_(), mask.clone().requires_grad_()
+    ours, stock = make_pair(kind)
+    set_masks(ours, m_ours, ei)
+    set_masks(stock, m_stock, ei)
+    x = torch.randn(N, F_IN, dtype=dtype, device=DEVICE)
+    _compare(ours, stock, x, (adj,), (adj,), [(m_ours, m_stock)], backend, dtype)

@@ -61,11 +61,11 @@ def _learnable_values(adj: Any, options: dict) -> bool:
 
 @torch.compiler.disable
 def _graph_with_edge_values(adj, sizes, edge_weight, mask, normalization, gcn_improved,
-                            gcn_add_self_loops, dtype, k) -> CSRGraph:
+                            gcn_add_self_loops, dtype, k, loop_mask) -> CSRGraph:
     # The structure lookup keys on object identity; autograd records the
     # edge values' computation even outside the compiled graph.
     return graph_with_edge_values(adj, sizes, edge_weight, mask, normalization,
-                                  gcn_improved, gcn_add_self_loops, dtype, k)
+                                  gcn_improved, gcn_add_self_loops, dtype, k, loop_mask)
 
 
 @torch.compiler.disable
@@ -213,7 +213,8 @@ class MaxKConv(MessagePassing):
             return _graph_with_edge_values(adj, sizes, edge_weight, mask, normalization,
                                            options.get("gcn_improved", False),
                                            options.get("gcn_add_self_loops", True), dtype,
-                                           _kept(x_src, self.k))
+                                           _kept(x_src, self.k),
+                                           getattr(self, "_loop_mask", None))
         if isinstance(adj, CSRGraph):
             self._check_prepared(adj, normalization, edge_weight, options)
             k = _kept(x_src, self.k)
