@@ -64,11 +64,9 @@ def flush_denormals(device: str | torch.device) -> bool:
     which include PyTorch's intra-op pool if no parallel op has run yet.
 
     As training drives the loss down, gradients reach the denormal range
-    (below 1.2e-38 in float32), where x86 GEMMs slow down several times: on
-    a 2-core machine, Cora-sized MaxK SAGE epochs went from 65 to 217 ms over
-    120 epochs, and stock SAGE (CSR) from 65 to 79 ms; with denormals flushed
-    they stayed at 53-57 ms and 45-61 ms. Values this small change no
-    result that matters. Returns whether it took effect (False on a GPU
+    (below 1.2e-38 in float32), where x86 GEMMs slow down several times
+    (late epochs of a Cora-sized MaxK SAGE on a CPU took three times as long
+    as early ones). Values this small change no result that matters. Returns whether it took effect (False on a GPU
     device and on CPUs without FTZ/DAZ)."""
     if torch.device(device).type != "cpu":
         return False

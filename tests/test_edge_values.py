@@ -269,3 +269,66 @@ def test_explain_edge_mask_on_a_sparse_adjacency(backend, kind, form):
     set_masks(stock, m_stock, ei)
     x = torch.randn(N, F_IN, dtype=dtype, device=DEVICE)
     _compare(ours, stock, x, (adj,), (adj,), [(m_ours, m_stock)], backend, dtype)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_gradcheck_of_the_aggregation_in_its_edge_values(backend, split_rows):
+    """float64 ``gradcheck`` of the CBSR aggregation in its edge values and
+    CBSR values (the SDDMM and the SSpMM), with split rows."""
+    from pyg_maxk.ops import _library as lib
+    ei = _edges()
+    graph = pyg_maxk.CSRGraph.from_adj(ei, (N, N), edge_weight=torch.rand(ei.size(1)),
+                                       dtype=torch.float64)
+    ops = graph.operands(K)
+    assert bool((ops.item_split != 0).any())
+    g = torch.Generator().manual_seed(4)
+    values, idx = torch.randn(N, 12, generator=g, dtype=torch.float64).topk(K, dim=1)
+    indices = idx.to(pyg_maxk.index_dtype_for(12))
+
+    def aggregate(weight, values):
+        return lib.spgemm(*ops._replace(weight=weight), values, indices, N, 12, backend)
+
+    weight = ops.weight.detach().clone().requires_grad_()
+    with pyg_maxk.use_backend(backend):
+        assert torch.autograd.gradcheck(aggregate, (weight, values.requires_grad_()))
+
+
+def test_to_hetero_and_graph_mask_explainer():
+    """A MaxK model converted with ``to_hetero`` trains; PyG's
+    GraphMaskExplainer, which reads every message through a replaced
+    ``explain_message``, is a clear error (the sparse product forms none)."""
+    from torch_geometric.data import HeteroData
+    from torch_geometric.explain import Explainer
+    from torch_geometric.explain.algorithm import GraphMaskExplainer
+    from torch_geometric.nn import to_hetero
+    from pyg_maxk.nn import MaxKSAGEConv
+
+    data = HeteroData()
+    data["a"].x, data["b"].x = torch.randn(10, 8), torch.randn(7, 8)
+    data["a", "to", "b"].edge_index = random_edge_index(10, 7, 30, seed=1)
+    data["b", "to", "a"].edge_index = random_edge_index(7, 10, 30, seed=2)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = MaxKSAGEConv((-1, -1), 16, k=4)
+
+        def forward(self, x, edge_index):
+            return self.conv(x, edge_index)
+
+    model = to_hetero(Net(), data.metadata())
+    out = model(data.x_dict, data.edge_index_dict)
+    assert out["a"].shape == (10, 16) and out["b"].shape == (7, 16)
+    sum(o.square().sum() for o in out.values()).backward()
+
+    ei = random_edge_index(N, N, 80, seed=3)
+    x = torch.randn(N, F_IN)
+    torch.manual_seed(0)
+    gcn = MaxKGCN(F_IN, 16, 2, 3, k=K)
+    explainer = Explainer(gcn, algorithm=GraphMaskExplainer(2, epochs=5),
+                          explanation_type="model", node_mask_type="attributes",
+                          edge_mask_type="object",
+                          model_config=dict(mode="multiclass_classification",
+                                            task_level="node", return_type="raw"))
+    with pytest.raises(NotImplementedError, match="explain_message"):
+        explainer(x, ei, index=1)

@@ -229,6 +229,15 @@ class MaxKConv(MessagePassing):
         is not being explained. The sparse aggregation multiplies it into
         each edge's value, where ``explain_message`` multiplies it into each
         message."""
+        if self.explain and "explain_message" in self.__dict__:
+            # An explainer that replaces explain_message (GraphMaskExplainer)
+            # learns from each message, which the sparse product never forms.
+            raise NotImplementedError(
+                f"{self.__class__.__name__} does not call explain_message (its sparse "
+                f"aggregation forms no per-edge messages), which this explainer replaces "
+                f"to read them: explain the stock PyG model (load the same state dict into "
+                f"the torch_geometric conv) or use an edge-mask explainer such as "
+                f"GNNExplainer or PGExplainer.")
         mask = getattr(self, "_edge_mask", None)
         if not self.explain or mask is None:
             return None
