@@ -11,18 +11,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pyg_maxk.datasets import DatasetUnavailable, load_dataset  # noqa: E402
-from pyg_maxk.training import TrainConfig, train_full_batch  # noqa: E402
+from pyg_maxk.datasets import DatasetUnavailable, load_dataset
+from pyg_maxk.training import TrainConfig, train_full_batch
 
-from common import RESULTS, environment, pyplot, write_json  # noqa: E402
+from common import RESULTS, environment, pyplot, write_json
 
 
 def parse_args(argv=None):

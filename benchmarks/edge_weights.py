@@ -27,7 +27,6 @@ Writes ``benchmarks/results/edge_weights[-tiny].json`` and a ``.png``.
 from __future__ import annotations
 
 import argparse
-import sys
 import warnings
 from pathlib import Path
 from typing import Dict
@@ -35,16 +34,14 @@ from typing import Dict
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import pyg_maxk  # noqa: E402
-from pyg_maxk import CSRGraph, clear_graph_cache  # noqa: E402
-from pyg_maxk.nn import MaxKGCN  # noqa: E402
-from pyg_maxk.ops import _library as lib  # noqa: E402
+import pyg_maxk
+from pyg_maxk import CSRGraph, clear_graph_cache
+from pyg_maxk.nn import MaxKGCN
+from pyg_maxk.ops import _library as lib
 
-import train  # noqa: E402
-from common import (RESULTS, check_against_torch_backend, environment, pyplot,  # noqa: E402
+import train
+from common import (RESULTS, check_against_torch_backend, environment, pyplot,
                     time_ms, write_json)
 
 HIDDEN = 256

@@ -45,7 +45,6 @@ def child(args) -> dict:
     import torch
     import torch.nn.functional as F
 
-    sys.path.insert(0, str(HERE))
     import train
     from common import time_ms
 
@@ -106,7 +105,6 @@ def main(argv=None):
         r = results[variant]
         print(f"{variant:16s} first step {r['first_step_s']:8.2f} s, then "
               f"{r['median_ms']:8.2f} ms per epoch", flush=True)
-    sys.path.insert(0, str(HERE))
     from common import environment, pyplot, write_json
 
     import torch

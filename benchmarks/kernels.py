@@ -15,19 +15,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import pyg_maxk  # noqa: E402
-from pyg_maxk import CSRGraph  # noqa: E402
-from pyg_maxk.datasets import PRESETS, power_law_edge_index  # noqa: E402
+import pyg_maxk
+from pyg_maxk import CSRGraph
+from pyg_maxk.datasets import PRESETS, power_law_edge_index
 
-from common import RESULTS, environment, pyplot, rel_error, save, time_ms  # noqa: E402
+from common import RESULTS, environment, pyplot, rel_error, save, time_ms
 
 
 def parse_args(argv=None):

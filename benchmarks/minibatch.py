@@ -13,22 +13,18 @@ benchmarks/results/minibatch[-tiny].json and .png.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pyg_maxk import CSRGraph  # noqa: E402
-from pyg_maxk.datasets import load_dataset  # noqa: E402
-from pyg_maxk.nn import MaxKGraphSAGE  # noqa: E402
-from pyg_maxk.training import TrainConfig, neighbor_loader  # noqa: E402
+from pyg_maxk import CSRGraph
+from pyg_maxk.datasets import load_dataset
+from pyg_maxk.nn import MaxKGraphSAGE
+from pyg_maxk.training import TrainConfig, neighbor_loader
 
-from common import (RESULTS, check_against_torch_backend, environment, pyplot, save,  # noqa: E402
+from common import (RESULTS, check_against_torch_backend, environment, pyplot, save,
                     time_ms)
 
 #: Relative tolerance of a MaxK model's loss and gradients against the torch backend.

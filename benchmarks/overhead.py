@@ -13,20 +13,17 @@ checked against the torch backend before it is timed. Writes
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import pyg_maxk  # noqa: E402
-from pyg_maxk import CSRGraph  # noqa: E402
-from pyg_maxk.datasets import PRESETS, power_law_edge_index  # noqa: E402
+import pyg_maxk
+from pyg_maxk import CSRGraph
+from pyg_maxk.datasets import PRESETS, power_law_edge_index
 
-from common import RESULTS, environment, rel_error, write_json  # noqa: E402
+from common import RESULTS, environment, rel_error, write_json
 
 
 def host_us(fn, device, n=200) -> float:

@@ -20,27 +20,24 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from pathlib import Path
 
 if "--tiny" in sys.argv:  # before Numba is imported
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
-import torch  # noqa: E402
+import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import pyg_maxk  # noqa: E402
-from pyg_maxk.kernels import cuda_module  # noqa: E402
-from pyg_maxk.kernels._vector import vector_atomic_add  # noqa: E402
-from pyg_maxk.kernels.spgemm import sspmm_vector_width  # noqa: E402
-from pyg_maxk.ops import numba_ops  # noqa: E402
+import pyg_maxk
+from pyg_maxk.kernels import cuda_module
+from pyg_maxk.kernels._vector import vector_atomic_add
+from pyg_maxk.kernels.spgemm import sspmm_vector_width
+from pyg_maxk.ops import numba_ops
 
-from common import (ceiling_setup, environment, plot_ms_against_k, save,  # noqa: E402
+from common import (ceiling_setup, environment, plot_ms_against_k, save,
                     time_ms)
 
 cuda = cuda_module()
-from numba import float32, uint32  # noqa: E402
+from numba import float32, uint32
 
 
 @functools.lru_cache(maxsize=None)

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import sys
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -58,17 +57,15 @@ import torch
 import torch.nn.functional as F
 from torch_geometric.utils import coalesce
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import pyg_maxk  # noqa: E402
-from pyg_maxk import clear_graph_cache  # noqa: E402
-from pyg_maxk.dispatch import resolve_backend  # noqa: E402
-from pyg_maxk.datasets import PRESETS, power_law_edge_index  # noqa: E402
-from pyg_maxk.nn import MaxKGCN, MaxKGIN, MaxKGraphSAGE  # noqa: E402
-from pyg_maxk.training import flush_denormals  # noqa: E402
+import pyg_maxk
+from pyg_maxk import clear_graph_cache
+from pyg_maxk.dispatch import resolve_backend
+from pyg_maxk.datasets import PRESETS, power_law_edge_index
+from pyg_maxk.nn import MaxKGCN, MaxKGIN, MaxKGraphSAGE
+from pyg_maxk.training import flush_denormals
 
-from common import (RESULTS, check_against_torch_backend, environment, pyplot,  # noqa: E402
+from common import (RESULTS, check_against_torch_backend, environment, pyplot,
                     rel_error, time_interleaved, time_ms, write_json)
 
 MODELS = {"sage": MaxKGraphSAGE, "gcn": MaxKGCN, "gin": MaxKGIN}

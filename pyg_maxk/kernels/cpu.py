@@ -234,20 +234,22 @@ def _kernels():
                            linear_weight_grad_parts=linear_weight_grad_parts)
 
 
-def spgemm_rows(*args) -> None:
-    """``out[r] += sum over edges (c -> r) of a_e * row c of the CBSR``."""
-    _kernels().spgemm_rows(*args)
+def spgemm_rows(rowptr, col, weight, weighted: bool, values, indices, out) -> None:
+    """``out[r] += sum over edges (c -> r) of a_e * row c of the CBSR``
+    (``a_e = weight[e]`` when ``weighted``, else 1)."""
+    _kernels().spgemm_rows(rowptr, col, weight, weighted, values, indices, out)
 
 
-def sspmm_rows(*args) -> None:
-    """``grad_values[c, j] += sum over edges (c -> r) of a_e * grad_out[r, indices[c, j]]``."""
-    _kernels().sspmm_rows(*args)
+def sspmm_rows(colptr, row, weight_t, weighted: bool, indices, grad_out, grad_values) -> None:
+    """``grad_values[c, j] += sum over edges (c -> r) of a_e * grad_out[r, indices[c, j]]``,
+    over the transposed graph ``(colptr, row, weight_t)``."""
+    _kernels().sspmm_rows(colptr, row, weight_t, weighted, indices, grad_out, grad_values)
 
 
-def sddmm_rows(*args) -> None:
+def sddmm_rows(rowptr, col, values, indices, grad_out, grad_weight) -> None:
     """``grad_weight[e] = sum_j values[c, j] * grad_out[r, indices[c, j]]`` for
     every edge ``e = (c -> r)``."""
-    _kernels().sddmm_rows(*args)
+    _kernels().sddmm_rows(rowptr, col, values, indices, grad_out, grad_weight)
 
 
 def select_rows(x, k: int, indices) -> None:
