@@ -279,7 +279,9 @@ class CSRGraph:
         graph._schedules = self._schedules
         if self._transposed is not None:
             colptr, row_t, _ = self._transposed
-            graph._transposed = (colptr, row_t, weight[self._transpose_order])
+            # Read by the CPU backward only, which takes no gradient through it.
+            graph._transposed = (colptr, row_t,
+                                 weight.detach().index_select(0, self._transpose_order))
             graph._transpose_order = self._transpose_order
         for max_edges, ops in self._operands.items():
             weight_t = None if ops.colptr is None else graph._transposed[2]
@@ -693,9 +695,8 @@ def graph_with_edge_values(adj: Any, size: Optional[Tuple[Optional[int], Optiona
             raise ValueError(f"The edge mask has {edge_mask.numel()} entries for "
                              f"{num_edges} edges")
         if values.numel() != num_edges:  # gcn_norm replaced the self-loops
-            loops = values.numel() - int((edge_index[0] != edge_index[1]).sum())
-            edge_mask = torch.cat([edge_mask[edge_index[0] != edge_index[1]],
-                                   edge_mask.new_ones(loops)])
+            kept = edge_mask[edge_index[0] != edge_index[1]]
+            edge_mask = torch.cat([kept, kept.new_ones(values.numel() - kept.numel())])
         values = values * edge_mask.to(dtype)
     # index_select, not indexing: its backward is an index_add (a
     # permutation: one add per entry), where indexing's sorts on CUDA.
