@@ -169,9 +169,18 @@ def test_value_index_pairs():
 
     assert reads_pairs(1) and reads_pairs(PAIRS_MAX_K) and not reads_pairs(PAIRS_MAX_K + 1)
     for index_dtype in (torch.uint8, torch.int16, torch.int32):
-        values = torch.randn(5, 3, dtype=torch.float16)
+        values = torch.randn(5, 3)
         idx = torch.randint(0, 300 if index_dtype != torch.uint8 else 256, (5, 3)).to(index_dtype)
         pairs = value_index_pairs(values, idx)
         assert pairs.shape == (5, 3, 2) and pairs.dtype == torch.float32
-        assert torch.equal(pairs[..., 0], values.float())
+        assert torch.equal(pairs[..., 0], values)
         assert torch.equal(pairs[..., 1].long(), idx.long())
+    # Half values: one int32 word per slot, the value's bits below the index.
+    assert reads_pairs(2 * PAIRS_MAX_K, half=True) and not reads_pairs(2 * PAIRS_MAX_K + 1, True)
+    for dtype in (torch.float16, torch.bfloat16):
+        values = torch.randn(5, 3).to(dtype)
+        idx = torch.randint(0, 300, (5, 3)).to(torch.int16)
+        words = value_index_pairs(values, idx)
+        assert words.shape == (5, 3) and words.dtype == torch.int32
+        assert torch.equal((words & 0xFFFF).to(torch.int16).view(dtype), values)
+        assert torch.equal(words >> 16, idx.int())

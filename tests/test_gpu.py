@@ -13,8 +13,9 @@ from pyg_maxk.ops import numba_ops
 
 from helpers import FORMS, adjacency, assert_same_as_stock, dense_reference, random_edge_index
 from test_layers import make_pair
-from test_numba_backend import (assert_same_selection, check_cbsr_linear, check_kernels,
-                                kernel_maxk, poison_allocator, random_cbsr)
+from test_numba_backend import (HALF, assert_same_selection, check_cbsr_linear,
+                                check_half_kernels, check_kernels, kernel_maxk,
+                                poison_allocator, random_cbsr)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -155,6 +156,80 @@ def test_half_precision_accumulates_in_float32(dtype):
     assert out.dtype == dtype
     ref = torch.sparse.mm(graph.torch_csr(torch.float32), dense_reference(h).float())
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("dim", [64, 256, 512])
+@pytest.mark.parametrize("normalization", ["mean", "gcn"])
+def test_half_kernels_power_law_all_k(dim, dtype, normalization):
+    # Every code path of the half-precision kernels: 1, 2 and 4 slots per
+    # load, one lane per slot and several, the 50,000-neighbour row split
+    # over work items, flat arrays (pairs below their edge threshold here),
+    # a row scale (mean) and float32 edge values (gcn: a float32 result).
+    graph = power_law_graph(normalization=normalization)
+    for k in sorted({1, 3, 8, 16, 32, 33, dim - 1}):
+        check_half_kernels(graph, dim, k, dtype, seed=k)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("dim", [64, 256])
+def test_half_value_index_pairs_power_law(monkeypatch, dim, dtype):
+    # Packed half (value, index) words up to k=32, forced on this graph.
+    monkeypatch.setattr(numba_ops, "PAIRS_MIN_EDGES", 0)
+    graph = power_law_graph(seed=4)
+    for k in (1, 2, 3, 4, 8, 12, 16, 24, 32):
+        check_half_kernels(graph, dim, k, dtype, seed=k)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("dim", [64, 256, 1000])
+def test_maxk_select_half_all_k(dim, dtype):
+    x = torch.randn(50_000, dim, device="cuda").to(dtype)
+    for k in sorted({1, 7, 32, dim // 2, dim - 1}):
+        poison_allocator()
+        h = kernel_maxk(x, k)
+        assert h.values.dtype == dtype
+        assert_same_selection(h, x, k, order="bank")
+
+
+@pytest.mark.parametrize("kind", ["sage", "gcn", "gin"])
+@pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16])
+def test_layer_contract_under_autocast(kind, input_dtype):
+    # The MaxK conv under autocast against the stock conv on dense MaxK'd
+    # features under the same autocast: the same output type, and outputs
+    # and gradients as close to a float64 run of the stock conv as stock's
+    # own (stock sums bf16 messages in bf16, the kernels in float32).
+    # Features in float32 (a first layer) or bf16 (as autocast hands them on).
+    import copy
+    from helpers import clone_features, dense_maxk
+    n = 3000
+    ei = random_edge_index(n, n, 60_000, seed=5).cuda()
+    ours, stock = make_pair(kind, f_in=256, k=32)
+    ours, stock = ours.cuda(), stock.cuda()
+    ours.load_state_dict(stock.state_dict())
+    exact = copy.deepcopy(stock).double()
+    x = torch.randn(n, 256, device="cuda").to(input_dtype)
+    xs = [clone_features(x), clone_features(x), clone_features(x.double())]
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        with pyg_maxk.use_backend("numba"):
+            out = ours(xs[0], ei)
+        ref = stock(dense_maxk(xs[1], 32), ei)
+    assert out.dtype == ref.dtype
+    truth = exact(dense_maxk(xs[2], 32), ei)
+    weight = torch.randn(ref.shape, device="cuda", dtype=torch.float64)
+    for o in (out, ref, truth):
+        (o.double() * weight).sum().backward()
+
+    def err(a, b):
+        return float((a.double() - b.double()).norm() / b.double().norm())
+
+    exact_params = dict(exact.named_parameters())
+    stock_params = dict(stock.named_parameters())
+    pairs = [("output", out, ref, truth), ("features", xs[0].grad, xs[1].grad, xs[2].grad)]
+    pairs += [(name, p.grad, stock_params[name].grad, exact_params[name].grad)
+              for name, p in ours.named_parameters()]
+    for what, a, b, t in pairs:
+        assert err(a, t) <= 1.5 * err(b, t) + 1e-3, (what, err(a, t), err(b, t))
 
 
 def sparse_tensor_on_cuda_or_skip():

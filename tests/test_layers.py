@@ -265,3 +265,25 @@ def test_models_ignore_edge_weights_where_their_stock_model_does():
         pyg_maxk.clear_graph_cache()
         weighted, plain = model(_x(), ei, weight), model(_x(), ei)
         assert torch.allclose(weighted, plain) != uses_weights, cls.__name__
+
+
+@pytest.mark.parametrize("form", ["edge_index", "csr"])
+@pytest.mark.parametrize("kind", ["sage", "gcn", "gin"])
+def test_half_precision_output_type_is_stocks(kind, form):
+    # bf16 features under autocast: the result types follow the stock conv's
+    # (GCN's float32 normalisation promotes its sum to float32; a mean or an
+    # unweighted sum stays bf16), and the values agree to bf16 precision.
+    ei = random_edge_index(N, N, 50, seed=3)
+    adj = adjacency(form, ei, (N, N), _weights(50) if form == "csr" else None)
+    ours, stock = make_pair(kind)
+    ours.load_state_dict(stock.state_dict())
+    x = _x(dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ours(x, adj)
+        try:
+            ref = stock(dense_maxk(x, K), adj)
+        except (RuntimeError, NotImplementedError) as err:  # e.g. no bf16 CSR product on CPU
+            pytest.skip(f"stock {kind} on {form} under CPU autocast: {err}")
+    assert out.dtype == ref.dtype
+    err = float((out.double() - ref.double()).norm() / ref.double().norm())
+    assert err < 2e-2, err

@@ -379,33 +379,130 @@ def test_layer_contract_numba(linear_kernel_everywhere, kind, form):
     assert_same_as_stock(ours.to(DEVICE), stock.to(DEVICE), x, (adj,), 5, backend="numba")
 
 
-#: Error of half-precision values against float64 (one rounding of each
-#: stored value and of the float32 result; measured in the simulator: fp16
-#: 4.9e-4, bf16 3.9e-3 at most).
-HALF_TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+HALF = [torch.float16, torch.bfloat16]
+#: Unit roundoff of each half type: a float32 sum rounded once to it is
+#: within this relative error of the exact sum (float32's own error is far
+#: smaller).
+HALF_UNIT = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision_aggregation_and_densify(dtype):
-    ei = random_edge_index(30, 30, 200, seed=9).to(DEVICE)
-    graph = CSRGraph.from_adj(ei, (30, 30), normalization="mean")
-    h = random_cbsr(30, 40, 6, seed=9, dtype=dtype)
+def check_half_kernels(graph, dim, k, dtype, seed=0, h=None):
+    """The kernels on half-precision CBSR values and output gradients against
+    float64 references of the same (half) inputs, every output written over
+    poisoned memory: the aggregation (in ``aggregation_dtype``: float32 when
+    float32 edge values weight the sum) and the values' gradient within one
+    rounding of a float32 sum, the backward kernel also on a half gradient,
+    the edge values' gradient (float32) within float32 error, densify bit
+    for bit."""
+    from pyg_maxk.graph import GraphOperands
+    from pyg_maxk.ops import _library as lib, aggregation_dtype, torch_ops
+
+    h = random_cbsr(graph.num_src, dim, k, seed, dtype) if h is None else h
+    unit = HALF_UNIT[dtype]
     values = h.values.clone().requires_grad_()
+    poison_allocator()
     with pyg_maxk.use_backend("numba"):
-        poison_allocator()
         out = pyg_maxk.aggregate(graph, h.with_values(values))
-        dense = h.with_values(values).to_dense()
-    assert out.dtype == dense.dtype == dtype
-    tol = HALF_TOL[dtype]
-    ref = reference_spgemm(graph, h)
-    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+        poison_allocator()
+        dense = h.to_dense()
+    assert out.dtype == aggregation_dtype(dtype, graph.weight, graph.row_scale)
+    assert dense.dtype == dtype
+    out_tol = unit if out.dtype == dtype else 1e-5
+    torch.testing.assert_close(out.double(), reference_spgemm(graph, h), rtol=out_tol,
+                               atol=1e-5)
     torch.testing.assert_close(dense, dense_reference(h), rtol=0, atol=0)
-    grad_out = torch.randn(30, 40).to(DEVICE, dtype)
+    g = torch.Generator().manual_seed(seed + 1)
+    grad_out = torch.randn(graph.num_dst, dim, generator=g).to(DEVICE, dtype)
+    poison_allocator()
     with pyg_maxk.use_backend("numba"):
-        out.backward(grad_out)
+        out.backward(grad_out.to(out.dtype))
     assert values.grad.dtype == dtype
-    torch.testing.assert_close(values.grad.double(), reference_sspmm(graph, h, grad_out.float()),
-                               rtol=tol, atol=tol)
+    ref_grad = reference_sspmm(graph, h, grad_out)
+    torch.testing.assert_close(values.grad.double(), ref_grad, rtol=unit, atol=1e-5)
+    operands = graph.operands(k)
+    poison_allocator()
+    grad_values = lib.sspmm(*operands, h.indices, grad_out, graph.num_src, "numba")
+    assert grad_values.dtype == dtype
+    torch.testing.assert_close(grad_values.double(), ref_grad, rtol=unit, atol=1e-5)
+    poison_allocator()
+    grad_weight = lib.sddmm(*operands, h.values, h.indices, grad_out, "numba")
+    assert grad_weight.dtype == torch.float32
+    ref = torch_ops.sddmm(GraphOperands(*operands), h.values.double(), h.indices,
+                          grad_out.double())
+    torch.testing.assert_close(grad_weight.double(), ref, rtol=1e-5, atol=2e-4)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("normalization,weighted", [("mean", False), ("sum", True)])
+def test_half_precision_kernels_against_float64(dtype, normalization, weighted):
+    ei = random_edge_index(30, 30, 200, seed=9).to(DEVICE)
+    w = (torch.rand(200) + 0.1).to(DEVICE) if weighted else None
+    graph = CSRGraph.from_adj(ei, (30, 30), edge_weight=w, normalization=normalization)
+    check_half_kernels(graph, dim=40, k=6, dtype=dtype, seed=9)
+
+
+@pytest.mark.parametrize("dim,k,dtype", [(40, 8, torch.bfloat16), (80, 16, torch.float16),
+                                         (80, 32, torch.bfloat16), (300, 32, torch.float16),
+                                         (96, 64, torch.bfloat16)])
+def test_half_precision_vector_loads(dim, k, dtype):
+    # 2 or 4 half values per load (4 or 8 bytes) beside words of uint8 or
+    # int16 indices, rows spanning several work items.
+    h = random_cbsr(35, dim, k, seed=k, dtype=dtype)
+    others = torch.randint(0, 35, (90,), generator=torch.Generator().manual_seed(k))
+    src = torch.cat([torch.arange(300) % 35, others])
+    dst = torch.cat([torch.zeros(300, dtype=torch.long), torch.arange(90) % 19 + 1])
+    ei = torch.stack([src, dst]).to(DEVICE)
+    w = (torch.rand(390) + 0.1).to(DEVICE)
+    check_half_kernels(CSRGraph.from_adj(ei, (35, 20), edge_weight=w), dim, k, dtype, h=h)
+
+
+@pytest.mark.parametrize("dim,k,dtype", [(80, 1, torch.bfloat16), (80, 6, torch.float16),
+                                         (300, 16, torch.bfloat16), (80, 32, torch.float16),
+                                         (80, 33, torch.bfloat16)])
+def test_half_precision_value_index_pairs(monkeypatch, dim, k, dtype):
+    # Half values pack with their index into one 32-bit word, so a row of
+    # pairs fits a cache line up to k=32 (one, two or four pairs per load);
+    # k=33 is read from the flat arrays. Forced here on a small graph.
+    from pyg_maxk.kernels.spgemm import reads_pairs
+    monkeypatch.setattr(numba_ops, "PAIRS_MIN_EDGES", 0)
+    monkeypatch.setattr(numba_ops, "PAIRS_PER_ITEM", 16 * k)
+    h = random_cbsr(35, dim, k, seed=k, dtype=dtype)
+    pairs = numba_ops._spgemm_operands(h.values, h.indices, num_edges=1)
+    assert pairs[4] == reads_pairs(k, half=True) == (k <= 32)
+    if pairs[4]:
+        words = pairs[0].view(35, k)
+        assert torch.equal((words >> 16).to(h.indices.dtype), h.indices)
+        assert torch.equal((words & 0xFFFF).to(torch.int16), h.values.view(torch.int16))
+    ei = random_edge_index(35, 20, 300, seed=k).to(DEVICE)
+    check_half_kernels(CSRGraph.from_adj(ei, (35, 20), normalization="mean"), dim, k, dtype,
+                       h=h)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("dim,k", [(40, 1), (40, 9), (300, 12)])
+def test_maxk_select_half_precision(dim, k, dtype):
+    # The select kernel ranks half values by their float32 value and copies
+    # them bit for bit; its backward (densify) writes half gradients.
+    x = torch.randn(13, dim).to(DEVICE, dtype).requires_grad_()
+    poison_allocator()
+    h = kernel_maxk(x, k)
+    assert h.values.dtype == dtype
+    assert_same_selection(h, x.detach(), k, order="bank")
+    g = torch.randn(h.values.shape).to(DEVICE, dtype)
+    h.values.backward(g)
+    assert x.grad.dtype == dtype
+    torch.testing.assert_close(x.grad, torch.zeros_like(x).scatter(1, h.indices.long(), g),
+                               rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_maxk_select_half_precision_ties_nan_and_signed_zeros(dtype):
+    x = few_valued_rows(7).to(DEVICE, dtype)
+    h = kernel_maxk(x, 20)
+    assert_same_selection(h, x, 20, order="bank")
+    assert_ties_keep_lowest_columns(h, x)
+    nan = torch.tensor([[1.0, 3.0, 3.0, float("nan"), 3.0, -1.0, float("-inf"), 0.0]] * 2)
+    assert kernel_maxk(nan.to(DEVICE, dtype), 4).indices.long().cpu().tolist() == [[1, 2, 3, 4]] * 2
 
 
 def test_layer_contract_numba_bipartite_sage(linear_kernel_everywhere):

@@ -26,8 +26,17 @@ def patch_numpy() -> bool:
 
 
 def cuda_module() -> ModuleType:
-    """``numba.cuda``, imported with the numpy shim in place."""
+    """``numba.cuda``, imported with the numpy shim in place. Numba reads its
+    environment (``NUMBA_ENABLE_CUDASIM`` among it) when it is first
+    imported, and ``numba.cuda`` picks the simulator or the GPU when *it* is:
+    the environment is re-read first, so that a process that set the
+    variable after importing numba (but before any kernel) gets what it set."""
     patch_numpy()
+    import sys
+
+    if "numba.cuda" not in sys.modules:
+        from numba.core import config
+        config.reload_config()
     from numba import cuda
 
     return cuda

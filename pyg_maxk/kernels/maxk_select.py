@@ -34,8 +34,9 @@ from ._numba import cuda_module
 
 # Module-level name `cuda`: Numba's simulator swaps exactly this global.
 cuda = cuda_module()
-from numba import float32, uint32  # noqa: E402 (after the numpy shim)
+from numba import float32, int16, uint32  # noqa: E402 (after the numpy shim)
 
+from ._half import float_bits  # noqa: E402
 from ._warp import (WARP, cbsr_row_loader, warp_exclusive_sum, warp_rank,  # noqa: E402
                     warp_sum, warp_sync)
 
@@ -67,10 +68,15 @@ def _order_key():
 
 
 @functools.lru_cache(maxsize=None)
-def select_kernel(dim: int, k: int, rows_per_block: int, redux: bool = False):
+def select_kernel(dim: int, k: int, rows_per_block: int, redux: bool = False,
+                  half: str = ""):
     """The compiled selection kernel for one ``(dim, k)``; ``x_bits`` is ``x``
     viewed as int32. ``redux``: count with ``redux.sync`` (sm_80+; see
-    :func:`~._warp.warp_sum`)."""
+    :func:`~._warp.warp_sum`). ``half`` (``"bf16"``/``"fp16"``): ``x``,
+    ``x_bits`` and ``values`` are that type's 16-bit patterns (``int16``),
+    ranked by their float32 value and copied bit for bit (:mod:`._half`)."""
+    is_half = bool(half)
+    key_bits = float_bits(half) if is_half else None
     per_lane = math.ceil(dim / WARP)
     if per_lane > WARP:  # a lane's kept entries are the bits of one uint32
         raise ValueError(f"dim={dim} is too wide for the select kernel (at most {WARP * WARP})")
@@ -92,7 +98,12 @@ def select_kernel(dim: int, k: int, rows_per_block: int, redux: bool = False):
             if row < uint32(num_rows):  # warp-uniform
                 for m in range(per_lane):
                     c = lane + uint32(m * WARP)
-                    keys[m] = order_key(x_bits[row, c]) if c < d32 else zero  # 0: below every key
+                    if c >= d32:
+                        keys[m] = zero  # below every key
+                    elif is_half:
+                        keys[m] = order_key(key_bits(x_bits[row, c]))
+                    else:
+                        keys[m] = order_key(x_bits[row, c])
                 # threshold = the largest T with at least k keys >= T
                 threshold = zero
                 exact = False  # exactly k keys >= threshold: no ties to break
@@ -158,10 +169,12 @@ DENSIFY_AHEAD = 4
 
 
 @functools.lru_cache(maxsize=None)
-def densify_kernel(dim: int, k: int, rows_per_block: int):
+def densify_kernel(dim: int, k: int, rows_per_block: int, bits16: bool = False):
     """``dense[r, indices[r, j]] = values[r, j]``, every other entry 0: the
     dense form of a CBSR, and so also the MaxK backward (the gradient of the
-    kept values scattered into a dense row).
+    kept values scattered into a dense row). With ``bits16``, ``values`` and
+    ``dense`` are the 16-bit patterns (``int16``) of a half type: copied as
+    they are, and 0 is +0.0 in both.
 
     One warp per row builds the row in shared memory and writes all of it
     with coalesced stores, so ``dense`` needs no zero-fill beforehand (one
@@ -180,11 +193,13 @@ def densify_kernel(dim: int, k: int, rows_per_block: int):
     ahead = min(-(-k // WARP), DENSIFY_AHEAD)
     load_ahead = cbsr_row_loader(k, ahead)
     rest_from = uint32(ahead * WARP)  # slots beyond: loaded when their row is built
+    element = int16 if bits16 else float32
+    zero = element(0)
 
     @cuda.jit
     def densify(values, indices, dense, num_rows):
-        row_buf = cuda.shared.array((rows_per_block, dim), float32)
-        val = cuda.local.array(ahead, float32)  # registers after unrolling
+        row_buf = cuda.shared.array((rows_per_block, dim), element)
+        val = cuda.local.array(ahead, element)  # registers after unrolling
         pos = cuda.local.array(ahead, uint32)
         lane = uint32(cuda.threadIdx.x) % w32
         warp = uint32(cuda.threadIdx.x) // w32
@@ -196,7 +211,7 @@ def densify_kernel(dim: int, k: int, rows_per_block: int):
         while row < n:  # warp-uniform
             following = row + stride
             for d in range(lane, d32, w32):
-                row_buf[warp, d] = float32(0.0)
+                row_buf[warp, d] = zero
             sync()
             for c in range(ahead):
                 if lane + uint32(c * WARP) < kk:

@@ -64,6 +64,7 @@ from __future__ import annotations
 import functools
 from typing import Tuple
 
+from ._half import widen
 from ._numba import cuda_module, kernel_jit, simulator_enabled
 from ._vector import vector_atomic_add, vector_load
 from ._warp import FULL_MASK, WARP, warp_sync
@@ -149,19 +150,31 @@ def spgemm_unroll(k: int, width: int = 1) -> int:
 
 
 #: Largest ``k`` for which the forward reads the CBSR as (value, index) pairs
-#: (:func:`reads_pairs`); beyond it a row of pairs spans more than a cache line.
+#: (:func:`reads_pairs`); beyond it a row of pairs spans more than a cache line
+#: (128 bytes: 16 float32 pairs, 32 packed half-precision ones).
 PAIRS_MAX_K = 16
+HALF_PAIRS_MAX_K = 32
+#: Bits of a packed half-precision pair below its column index.
+_PAIR_SHIFT = uint32(16)
 
 
-def reads_pairs(k: int) -> bool:
-    """Whether the forward can read the CBSR as ``[N, k, 2]`` float32 (value,
-    index) pairs: a lane then gets a slot's value and its column with *one*
-    8-byte load (16 bytes for 2 slots), and a neighbour's whole row with one
-    load instruction per lane, where separate arrays of values and indices
-    take two instructions and two L2 requests. The number of requests, not
-    of sectors, limits the gather at small k (``benchmarks/gather_ceiling.py``),
-    so up to :data:`PAIRS_MAX_K` pairs are faster."""
-    return k <= PAIRS_MAX_K
+def reads_pairs(k: int, half: bool = False) -> bool:
+    """Whether the forward can read the CBSR as (value, index) pairs: ``[N,
+    k, 2]`` float32 (the index as a float), or, for half-precision values,
+    ``[N, k]`` 32-bit words (the value's 16 bits below the index's). A lane
+    then gets a slot's value and its column with *one* load (one 16-byte
+    load for 2 float32 pairs or 4 half ones), and a neighbour's whole row
+    with one load instruction per lane, where separate arrays of values and
+    indices take two instructions and two L2 requests. The number of
+    requests, not of sectors, limits the gather at small k
+    (``benchmarks/gather_ceiling.py``), so pairs are faster up to a cache
+    line per row (:data:`PAIRS_MAX_K`, :data:`HALF_PAIRS_MAX_K`)."""
+    return k <= (HALF_PAIRS_MAX_K if half else PAIRS_MAX_K)
+
+
+def pair_width_fits(width: int, half: bool = False) -> bool:
+    """Whether a lane's ``width`` pairs are one load (at most 16 bytes)."""
+    return width <= (4 if half else 2)
 
 
 def fits_shared_memory(k: int, dim: int, warps: int) -> bool:
@@ -215,16 +228,19 @@ def _layout(k: int, groups: int, width: int):
 
 @functools.lru_cache(maxsize=None)
 def spgemm_kernel(dim: int, k: int, threads: int, weighted: bool, scaled: bool = False,
-                  width: int = 1, index_bits: int = 8, pairs: bool = False):
+                  width: int = 1, index_bits: int = 8, pairs: bool = False, half: str = ""):
     """The compiled forward kernel for one ``(dim, k, threads, weighted,
-    scaled, width, index_bits, pairs)``: ``weighted`` reads a value per edge,
-    ``scaled`` one per row; with ``width`` 2 or 4 a lane reads that many slots
-    per load and ``indices`` is the flat CBSR indices viewed as words of that
-    many indices of ``index_bits`` bits each (int16, int32 or int64), else the
-    flat indices. ``pairs``: ``values`` is the flat ``[N, k, 2]`` (value,
-    float32 column index) pairs (:func:`reads_pairs`; ``width`` 1 or 2) and
-    ``indices`` is not read."""
-    if pairs and (not reads_pairs(k) or width > 2):
+    scaled, width, index_bits, pairs, half)``: ``weighted`` reads a value per
+    edge, ``scaled`` one per row; with ``width`` 2 or 4 a lane reads that
+    many slots per load and ``indices`` is the flat CBSR indices viewed as
+    words of that many indices of ``index_bits`` bits each (int16, int32 or
+    int64), else the flat indices. ``pairs``: ``values`` is the flat (value,
+    column index) pairs (:func:`reads_pairs`; :func:`pair_width_fits`) and
+    ``indices`` is not read. ``half`` (``"bf16"``/``"fp16"``, see
+    :mod:`._half`): the values are that type's 16-bit patterns (``int16``;
+    packed pairs ``int32``), widened to float32 as they are loaded."""
+    is_half = bool(half)
+    if pairs and (not reads_pairs(k, is_half) or not pair_width_fits(width, is_half)):
         raise ValueError(f"k={k}, width={width}: not read as (value, index) pairs")
     warps = threads // WARP
     groups, row_stride = group_rows(k, dim, warps, width)
@@ -242,7 +258,9 @@ def spgemm_kernel(dim: int, k: int, threads: int, weighted: bool, scaled: bool =
     sync = warp_sync()
     stage = _stager(k, weighted)
     load = vector_load(width) if width > 1 else None
-    load_pairs = vector_load(2 * width) if pairs else None
+    pair_words = width if is_half else 2 * width  # 32-bit words of a lane's pairs
+    load_pairs = vector_load(pair_words) if pairs and pair_words > 1 else None
+    value_of = widen(half)
     field = _index_field(index_bits)
     word_type = _word_type(index_bits, width)
 
@@ -285,17 +303,28 @@ def spgemm_kernel(dim: int, k: int, threads: int, weighted: bool, scaled: bool =
                         for u in range(unroll):
                             s = nbr[warp, min(first + uint32(u) * n_groups, n - one)] + jj
                             if pairs:
-                                both = load_pairs(values, s * uint32(2))
-                                for w in range(width):
-                                    val[u, w] = both[2 * w]
-                                    pair_pos[u, w] = uint32(both[2 * w + 1])
+                                if not is_half:
+                                    both = load_pairs(values, s * uint32(2))
+                                    for w in range(width):
+                                        val[u, w] = both[2 * w]
+                                        pair_pos[u, w] = uint32(both[2 * w + 1])
+                                elif width == 1:
+                                    word = uint32(values[s])
+                                    val[u, 0] = value_of(word)
+                                    pair_pos[u, 0] = word >> _PAIR_SHIFT
+                                else:
+                                    words = load_pairs(values, s)
+                                    for w in range(width):
+                                        word = uint32(words[w])
+                                        val[u, w] = value_of(word)
+                                        pair_pos[u, w] = word >> _PAIR_SHIFT
                             elif width == 1:
-                                val[u, 0] = values[s]
+                                val[u, 0] = value_of(values[s])
                                 pos[u] = uint32(indices[s])
                             else:
                                 loaded = load(values, s)
                                 for w in range(width):
-                                    val[u, w] = loaded[w]
+                                    val[u, w] = value_of(loaded[w])
                                 pos[u] = word_type(indices[s // vw])
                         for u in range(unroll):
                             q = first + uint32(u) * n_groups
@@ -333,12 +362,16 @@ def spgemm_kernel(dim: int, k: int, threads: int, weighted: bool, scaled: bool =
 
 @functools.lru_cache(maxsize=None)
 def sspmm_kernel(dim: int, k: int, threads: int, weighted: bool, scaled: bool = False,
-                 width: int = 1, index_bits: int = 8, vector_atomics: bool = True):
+                 width: int = 1, index_bits: int = 8, vector_atomics: bool = True,
+                 half: str = ""):
     """The compiled backward kernel for one ``(dim, k, threads, weighted,
-    scaled, width, index_bits, vector_atomics)``; ``indices`` (as for
+    scaled, width, index_bits, vector_atomics, half)``; ``indices`` (as for
     :func:`spgemm_kernel`) and ``grad_values`` are flat arrays; with ``width``
     2 or 4 a lane adds to that many slots at once, with one vector reduction
-    when ``vector_atomics`` (sm_90 and later)."""
+    when ``vector_atomics`` (sm_90 and later). ``half``: ``grad_out`` holds
+    that type's 16-bit patterns (:mod:`._half`), widened as it is staged;
+    ``grad_values`` is float32 either way (the reductions stay float32)."""
+    grad_of = widen(half)
     warps = threads // WARP
     if not fits_shared_memory(k, dim, warps):
         raise ValueError(f"dim={dim} is too wide for the SSpMM kernel's shared memory")
@@ -376,7 +409,8 @@ def sspmm_kernel(dim: int, k: int, threads: int, weighted: bool, scaled: bool = 
             r = uint32(item_row[item])
             row_scale = scale[r] if scaled else float32(1.0)
             for d in range(lane, d32, w32):
-                buf[warp, d] = grad_out[r, d] * row_scale if scaled else grad_out[r, d]
+                g = grad_of(grad_out[r, d])
+                buf[warp, d] = g * row_scale if scaled else g
             e0 = uint32(item_start[item])
             e1 = uint32(item_end[item])
             for base in range(e0, e1, round_size):
@@ -476,7 +510,8 @@ def _group_sum(lanes: int):
 
 
 @functools.lru_cache(maxsize=None)
-def sddmm_kernel(dim: int, k: int, threads: int, width: int = 1, index_bits: int = 8):
+def sddmm_kernel(dim: int, k: int, threads: int, width: int = 1, index_bits: int = 8,
+                 values_half: str = "", grad_half: str = ""):
     """The compiled kernel of the gradient w.r.t. the edge values (a sampled
     dense-dense product) for one ``(dim, k, threads, width, index_bits)``:
     for every edge ``e = (c -> r)``, ``grad_weight[e] = sum_j values[c, j] *
@@ -490,7 +525,9 @@ def sddmm_kernel(dim: int, k: int, threads: int, width: int = 1, index_bits: int
     columns, and reduce in float32 across the group. Each edge has one
     writer: no atomics. ``values`` and ``indices`` are flat ``[N * k]``
     arrays (``indices`` as words of ``width`` indices), ``grad_out`` is
-    ``[num_dst, dim]``."""
+    ``[num_dst, dim]``; ``values_half``/``grad_half`` name a half type whose
+    16-bit patterns that array holds (:mod:`._half`), widened on load."""
+    value_of, grad_of = widen(values_half), widen(grad_half)
     warps = threads // WARP
     if not fits_shared_memory(k, dim, warps):
         raise ValueError(f"dim={dim} is too wide for the SDDMM kernel's shared memory")
@@ -521,7 +558,7 @@ def sddmm_kernel(dim: int, k: int, threads: int, width: int = 1, index_bits: int
                           uint32(cuda.gridDim.x) * n_warps):
             r = uint32(item_row[item])
             for d in range(lane, d32, w32):
-                buf[warp, d] = grad_out[r, d]
+                buf[warp, d] = grad_of(grad_out[r, d])
             sync()
             e1 = uint32(item_end[item])
             for step in range(uint32(item_start[item]), e1, round_step):
@@ -535,12 +572,12 @@ def sddmm_kernel(dim: int, k: int, threads: int, width: int = 1, index_bits: int
                             if j < kk:
                                 s = base + j
                                 if width == 1:
-                                    acc += values[s] * buf[warp, uint32(indices[s])]
+                                    acc += value_of(values[s]) * buf[warp, uint32(indices[s])]
                                 else:
                                     loaded = load(values, s)
                                     word = word_type(indices[s // vw])
                                     for w in range(width):
-                                        acc += loaded[w] * buf[warp, field(word, w)]
+                                        acc += value_of(loaded[w]) * buf[warp, field(word, w)]
                     part[u] = acc
                 for u in range(unroll):  # every lane reaches every shuffle
                     total = reduce(part[u], lane, warp, scratch)

@@ -10,6 +10,7 @@ from torch_geometric.nn.dense.linear import Linear, is_uninitialized_parameter
 from torch_geometric.nn.inits import zeros
 from torch_geometric.typing import Adj, OptTensor
 
+from ..ops import aggregation_dtype
 from .conv_base import Features, MaxKConv
 
 
@@ -97,6 +98,13 @@ class MaxKGCNConv(MaxKConv):
         agg = self.aggregate_sparse(graph, self.sparsify(x))  # [N, F_in]
         if is_uninitialized_parameter(self.lin.weight):  # lazy in_channels=-1
             out = self.lin(agg)
+            return out if self.bias is None else out + self.bias
+        if torch.is_autocast_enabled(agg.device.type):
+            # Stock GCNConv aggregates its (autocast) linear output with the
+            # edge values and then adds the bias, each in torch's promoted
+            # type: the same result type here.
+            out = F.linear(agg, self.lin.weight)
+            out = out.to(aggregation_dtype(out.dtype, graph.weight, graph.row_scale))
             return out if self.bias is None else out + self.bias
         # The bias in the GEMM's epilogue: no separate pass over [N, F_out].
         return F.linear(agg, self.lin.weight, self.bias)

@@ -19,7 +19,7 @@ from ..cbsr import CBSR, index_dtype_for
 from ..dispatch import get_backend
 from ..graph import CSRGraph
 from . import _library as lib
-from ._common import as_dtype
+from ._common import aggregation_dtype, as_dtype
 
 
 def check_k(k: object) -> int:
@@ -93,7 +93,10 @@ def aggregate(graph: CSRGraph, h: Union[CBSR, Tensor]) -> Tensor:
         h (CBSR or torch.Tensor): ``[num_src, dim]`` source features.
 
     Returns:
-        ``[num_dst, dim]`` dense tensor.
+        ``[num_dst, dim]`` dense tensor, in the features' type, promoted with
+        the edge values' type where they weight the sum (as PyG's convs:
+        GCN's float32 normalisation of bf16 features is float32 under
+        autocast); sums of half-precision features accumulate in float32.
     """
     rows = h.num_rows if isinstance(h, CBSR) else h.size(0)
     if rows != graph.num_src:
@@ -104,7 +107,10 @@ def aggregate(graph: CSRGraph, h: Union[CBSR, Tensor]) -> Tensor:
                          f"{graph.device}; move both to the same device")
     if isinstance(h, Tensor) or h.is_full:
         dense = h if isinstance(h, Tensor) else to_dense(h)
-        weight = None if graph.weight is None else as_dtype(graph.weight, dense.dtype)
+        weight = graph.weight
+        if weight is not None and graph.row_scale is not None:
+            # A mean: the result keeps the features' type (aggregation_dtype).
+            weight = as_dtype(weight, dense.dtype)
         return lib.spmm(graph.rowptr, graph.col, weight, dense, graph.num_src, False)
     return lib.spgemm(*graph.operands(h.k), h.values, h.indices, graph.num_dst, h.dim,
                       get_backend())
@@ -164,4 +170,5 @@ def _linear_is_dense(h: CBSR, weight: Tensor, bias: Tensor | None) -> bool:
             or torch.is_autocast_enabled(h.device.type))
 
 
-__all__ = ["maxk", "aggregate", "cbsr_linear", "check_k", "linear_backend", "to_dense"]
+__all__ = ["maxk", "aggregate", "aggregation_dtype", "cbsr_linear", "check_k",
+           "linear_backend", "to_dense"]

@@ -25,6 +25,7 @@ from .. import dispatch
 from ..dispatch import choose
 from ..graph import GraphOperands
 from . import torch_ops
+from ._common import aggregation_dtype
 
 
 def _impls(op: str, requested: str, tensor: Tensor, **shape):
@@ -173,11 +174,14 @@ def _spgemm(rowptr: Tensor, col: Tensor, weight: Optional[Tensor], row_scale: Op
 
 def _spgemm_fake(*args):
     values, num_dst, dim = args[NUM_GRAPH_ARGS], args[-3], args[-2]
-    return values.new_empty(num_dst, dim)
+    weight, row_scale = args[_WEIGHT_ARG], args[_ROW_SCALE_ARG]
+    return values.new_empty(num_dst, dim,
+                            dtype=aggregation_dtype(values.dtype, weight, row_scale))
 
 
-#: Position of the edge values among the graph arguments.
+#: Position of the edge values and of the row scale among the graph arguments.
 _WEIGHT_ARG = GraphOperands._fields.index("weight")
+_ROW_SCALE_ARG = GraphOperands._fields.index("row_scale")
 
 
 def _spgemm_setup(ctx, inputs, output) -> None:
@@ -256,14 +260,15 @@ def _spmm(rowptr: Tensor, col: Tensor, weight: Optional[Tensor], dense: Tensor, 
 
 
 def _spmm_fake(rowptr, col, weight, dense, num_src, transpose):
-    return dense.new_empty(num_src if transpose else rowptr.size(0) - 1, dense.size(1))
+    return dense.new_empty(num_src if transpose else rowptr.size(0) - 1, dense.size(1),
+                           dtype=aggregation_dtype(dense.dtype, weight, None))
 
 
 def _spmm_setup(ctx, inputs, output) -> None:
     rowptr, col, weight, dense, num_src, transpose = inputs
     ctx.weight_grad = weight is not None and weight.requires_grad
     ctx.save_for_backward(rowptr, col, weight, dense if ctx.weight_grad else None)
-    ctx.num_src, ctx.transpose = num_src, transpose
+    ctx.num_src, ctx.transpose, ctx.dense_dtype = num_src, transpose, dense.dtype
 
 
 def _spmm_backward(ctx, grad_out):
@@ -271,7 +276,8 @@ def _spmm_backward(ctx, grad_out):
     grad_out = grad_out.contiguous()
     grad_dense = grad_weight = None
     if ctx.needs_input_grad[3]:
-        grad_dense = spmm(rowptr, col, weight, grad_out, ctx.num_src, not ctx.transpose)
+        grad_dense = spmm(rowptr, col, weight, grad_out, ctx.num_src,
+                          not ctx.transpose).to(ctx.dense_dtype)
     if ctx.weight_grad and ctx.needs_input_grad[2]:
         # Edge e = (c -> r): <dense[c], grad_out[r]> (rows and columns swap
         # for the transposed product); an [E, d] product, torch's own ops.

@@ -6,9 +6,12 @@ backends') as custom ops with fake implementations and autograd.
 Kernels run on the caller's current torch CUDA stream, with memory from
 torch's caching allocator and no host synchronisation, so that a CUDA graph
 can capture them (after one warm-up call per shape has compiled them). They
-compute in float32: float16/bfloat16 values are widened on the way in (an
-``[N, k]`` copy) and the result narrowed on the way out, so accumulation is
-always float32.
+compute in float32. float16/bfloat16 tensors are read as they are stored
+(their 16-bit patterns, widened in registers: :mod:`pyg_maxk.kernels._half`),
+so half precision halves the bytes the kernels gather; the select and
+densify kernels copy half values bit for bit, and results that are sums
+(aggregation, its gradients) are float32 in the kernels and narrowed to the
+input's type once at the end.
 
 Under Numba's simulator (``NUMBA_ENABLE_CUDASIM=1``) the same functions run
 the same kernels on CPU tensors.
@@ -27,9 +30,10 @@ from ..kernels._warp import WARP
 from ..kernels.linear import (LINEAR_WARPS, column_tiles, linear_blocks, linear_fits,
                               linear_kernel, linear_shared_bytes)
 from ..kernels.maxk_select import ROWS_PER_BLOCK, densify_fits, densify_kernel, select_kernel
-from ..kernels.spgemm import (fits_shared_memory, reads_pairs, sddmm_kernel, spgemm_kernel,
-                              spgemm_vector_width, sspmm_kernel, sspmm_vector_width)
-from ._common import as_dtype
+from ..kernels.spgemm import (fits_shared_memory, pair_width_fits, reads_pairs, sddmm_kernel,
+                              spgemm_kernel, spgemm_vector_width, sspmm_kernel,
+                              sspmm_vector_width)
+from ._common import aggregation_dtype, as_dtype
 from ._launch import device_index, launcher
 
 #: Threads of one SpGEMM/SSpMM block. The kernels work per warp; under the
@@ -46,11 +50,24 @@ UINT32_MAX = 2**32 - 1
 PAIRS_MIN_EDGES = 1 << 24
 
 
+#: Half types the kernels read natively, by the name the kernels know them by.
+HALF_KINDS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def half_kind(dtype: torch.dtype) -> str:
+    """The kernels' name of a half type (``"bf16"``/``"fp16"``), ``""`` for
+    any other (read as float32)."""
+    return HALF_KINDS.get(dtype, "")
+
+
 def _kernel_input(t: Tensor) -> Tensor:
-    """``t`` as the kernels read it: float32 and C-contiguous, with no copy
-    when it is. The kernels take raw pointers, so a tensor that requires a
+    """``t`` as the kernels read it, C-contiguous: a half type as its 16-bit
+    patterns (an ``int16`` view, no copy), anything else as float32 (no copy
+    when it is). The kernels take raw pointers, so a tensor that requires a
     gradient needs no ``detach`` (each no-op ``to``/``detach`` costs 1-2 us
     of host time, and small graphs are host-bound)."""
+    if t.dtype in HALF_KINDS:
+        return t.contiguous().view(torch.int16)
     return as_dtype(t, KERNEL_DTYPE).contiguous()
 
 
@@ -81,13 +98,15 @@ def maxk_select(x: Tensor, k: int) -> Tuple[Tensor, Tensor]:
     bank-major order (by column mod 32, then column; see
     :mod:`~pyg_maxk.kernels.maxk_select`); ``values`` in ``x``'s dtype."""
     n, dim = x.shape
-    x32 = _kernel_input(x)
-    values = torch.empty(n, k, dtype=KERNEL_DTYPE, device=x.device)
+    half = half_kind(x.dtype)
+    xk = _kernel_input(x)
+    values = torch.empty(n, k, dtype=x.dtype if half else KERNEL_DTYPE, device=x.device)
     indices = torch.empty(n, k, dtype=index_dtype_for(dim), device=x.device)
     if n > 0:
         run, rows_per_block, threads, blocks = _row_launch(n, x.device)
-        kernel = select_kernel(dim, k, rows_per_block, _has_redux(x.device))
-        run(kernel, blocks, threads, x.device, x32, x32.view(torch.int32), values, indices, n)
+        kernel = select_kernel(dim, k, rows_per_block, _has_redux(x.device), half)
+        x_bits = xk if half else xk.view(torch.int32)
+        run(kernel, blocks, threads, x.device, xk, x_bits, _kernel_input(values), indices, n)
     return as_dtype(values, x.dtype), indices
 
 
@@ -96,12 +115,13 @@ def cbsr_to_dense(values: Tensor, indices: Tensor, dim: int) -> Tensor:
     row written once from shared memory (``dim`` within
     :func:`supports_to_dense`)."""
     n, k = values.shape
-    v32 = _kernel_input(values)
-    dense = torch.empty(n, dim, dtype=KERNEL_DTYPE, device=values.device)  # rows written whole
+    half = half_kind(values.dtype)
+    dense = torch.empty(n, dim, dtype=values.dtype if half else KERNEL_DTYPE,
+                        device=values.device)  # rows written whole
     if n > 0:
         run, rows_per_block, threads, blocks = _row_launch(n, values.device)
-        run(densify_kernel(dim, k, rows_per_block), blocks, threads, values.device, v32,
-            indices.contiguous(), dense, n)
+        run(densify_kernel(dim, k, rows_per_block, bool(half)), blocks, threads, values.device,
+            _kernel_input(values), indices.contiguous(), _kernel_input(dense), n)
     return as_dtype(dense, values.dtype)
 
 
@@ -163,15 +183,15 @@ def _index_operand(indices: Tensor, width: int, *aligned: Tensor) -> Tuple[Tenso
     """``(indices as the kernels read them, slots per load, bits per index)``.
 
     The kernels read ``width`` slots per load when the flat indices (uint8 or
-    int16) can be viewed as words of that many indices and every float32
-    array read or written that many slots at a time (``aligned``) is aligned
-    to it (a fresh tensor is; a view into another may not be); else 1.
+    int16) can be viewed as words of that many indices and every array read
+    or written that many slots at a time (``aligned``) is aligned to it (a
+    fresh tensor is; a view into another may not be); else 1.
     """
     flat = indices.contiguous().view(-1)
     bits = 8 * flat.element_size()
     word_bytes = width * flat.element_size()
-    if (width == 1 or flat.dtype not in (torch.uint8, torch.int16)
-            or flat.data_ptr() % word_bytes or any(t.data_ptr() % (4 * width) for t in aligned)):
+    if (width == 1 or flat.dtype not in (torch.uint8, torch.int16) or flat.data_ptr() % word_bytes
+            or any(t.data_ptr() % (t.element_size() * width) for t in aligned)):
         return flat, 1, bits
     return flat.view(_WORD_DTYPES[word_bytes]), width, bits
 
@@ -193,20 +213,26 @@ def _has_vector_atomics(device: torch.device) -> bool:
 
 
 def value_index_pairs(values: Tensor, indices: Tensor) -> Tensor:
-    """``[N, k, 2]`` float32: each slot's value (as float32) beside its column
-    index (as float32, exact below 2**24), the CBSR as the forward reads it
-    on large graphs (:func:`~pyg_maxk.kernels.spgemm.reads_pairs`)."""
+    """The CBSR as the forward reads it on large graphs
+    (:func:`~pyg_maxk.kernels.spgemm.reads_pairs`): ``[N, k, 2]`` float32,
+    each slot's value (as float32) beside its column index (as float32,
+    exact below 2**24); for half-precision values ``[N, k]`` int32, the
+    value's 16-bit pattern in the low half of each word and the index
+    (below 2**16) in the high half."""
+    if values.dtype in HALF_KINDS:
+        bits = values.detach().contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+        return bits | (indices.to(torch.int32) << 16)
     pairs = torch.empty(*values.shape, 2, dtype=KERNEL_DTYPE, device=values.device)
     pairs[..., 0] = values.detach()
     pairs[..., 1] = indices
     return pairs
 
 
-def _uses_pairs(k: int, num_edges: int) -> bool:
+def _uses_pairs(k: int, num_edges: int, dtype: torch.dtype = KERNEL_DTYPE) -> bool:
     """Whether the forward reads the CBSR as (value, index) pairs: where the
     kernel can (:func:`~pyg_maxk.kernels.spgemm.reads_pairs`), on graphs of
     :data:`PAIRS_MIN_EDGES` edges and more."""
-    return reads_pairs(k) and num_edges >= PAIRS_MIN_EDGES
+    return reads_pairs(k, dtype in HALF_KINDS) and num_edges >= PAIRS_MIN_EDGES
 
 
 def _spgemm_operands(values: Tensor, indices: Tensor, num_edges: int):
@@ -214,18 +240,21 @@ def _spgemm_operands(values: Tensor, indices: Tensor, num_edges: int):
     reads them: (value, index) pairs where :func:`_uses_pairs` (the kernel
     reads no ``indices`` then), else the flat arrays."""
     k = values.size(1)
-    if _uses_pairs(k, num_edges):
+    width = spgemm_vector_width(k)
+    if _uses_pairs(k, num_edges, values.dtype):
         pairs = value_index_pairs(values, indices).view(-1)
-        return pairs, pairs, spgemm_vector_width(k), 8 * indices.element_size(), True
-    v32 = _kernel_input(values).view(-1)
-    words, width, bits = _index_operand(indices, spgemm_vector_width(k), v32)
-    return v32, words, width, bits, False
+        assert pair_width_fits(width, values.dtype in HALF_KINDS)
+        return pairs, pairs, width, 8 * indices.element_size(), True
+    flat = _kernel_input(values).view(-1)
+    words, width, bits = _index_operand(indices, width, flat)
+    return flat, words, width, bits, False
 
 
 def spgemm(g: GraphOperands, values: Tensor, indices: Tensor, num_dst: int,
            dim: int) -> Tensor:
-    """``A @ h`` as ``[num_dst, dim]`` in ``values``' dtype for the CBSR ``h =
-    (values, indices)`` of width ``dim`` (within :func:`supports`). A graph
+    """``A @ h`` as ``[num_dst, dim]`` (in :func:`~._common.aggregation_dtype`)
+    for the CBSR ``h = (values, indices)`` of width ``dim`` (within
+    :func:`supports`). A graph
     with a per-row scale (a mean without edge values) is aggregated
     unweighted and scaled once per output row."""
     k = values.size(1)
@@ -239,13 +268,13 @@ def spgemm(g: GraphOperands, values: Tensor, indices: Tensor, num_dst: int,
     num_items = g.item_row.numel()
     if num_items > 0:
         run, threads, blocks = _item_launch(num_items, values.device)
-        v32, index_words, width, bits, pairs = _spgemm_operands(values, indices, g.col.numel())
+        flat, index_words, width, bits, pairs = _spgemm_operands(values, indices, g.col.numel())
         kernel = spgemm_kernel(dim, k, threads, weight is not None, row_scale is not None,
-                               width, bits, pairs)
+                               width, bits, pairs, half_kind(values.dtype))
         run(kernel, blocks, threads, values.device, g.item_row, g.item_start, g.item_end,
             g.item_split, g.col, _or_unread(weight, g.item_start),
-            _or_unread(row_scale, g.item_start), v32, index_words, out, num_items)
-    return as_dtype(out, values.dtype)
+            _or_unread(row_scale, g.item_start), flat, index_words, out, num_items)
+    return as_dtype(out, aggregation_dtype(values.dtype, g.weight, g.row_scale))
 
 
 def _or_unread(optional: Optional[Tensor], stand_in: Tensor) -> Tensor:
@@ -264,14 +293,14 @@ def sspmm(g: GraphOperands, indices: Tensor, grad_out: Tensor, num_src: int) -> 
     num_items = g.item_row.numel()
     if num_items > 0:
         run, threads, blocks = _item_launch(num_items, grad_out.device)
-        g32 = _kernel_input(grad_out)
         index_words, width, bits = _index_operand(indices, sspmm_vector_width(k),
                                                    grad_values)
         kernel = sspmm_kernel(dim, k, threads, weight is not None, row_scale is not None,
-                              width, bits, _has_vector_atomics(grad_out.device))
+                              width, bits, _has_vector_atomics(grad_out.device),
+                              half_kind(grad_out.dtype))
         run(kernel, blocks, threads, grad_out.device, g.item_row, g.item_start, g.item_end,
             g.col, _or_unread(weight, g.item_start), _or_unread(row_scale, g.item_start),
-            index_words, g32, grad_values.view(-1), num_items)
+            index_words, _kernel_input(grad_out), grad_values.view(-1), num_items)
     return as_dtype(grad_values, grad_out.dtype)
 
 
@@ -287,11 +316,12 @@ def sddmm(g: GraphOperands, values: Tensor, indices: Tensor, grad_out: Tensor) -
     num_items = g.item_row.numel()
     if num_items > 0:
         run, threads, blocks = _item_launch(num_items, grad_out.device)
-        v32 = _kernel_input(values).view(-1)
-        index_words, width, bits = _index_operand(indices, sspmm_vector_width(k), v32)
-        run(sddmm_kernel(dim, k, threads, width, bits), blocks, threads, grad_out.device,
-            g.item_row, g.item_start, g.item_end, g.col, v32, index_words,
-            _kernel_input(grad_out), grad_weight, num_items)
+        flat = _kernel_input(values).view(-1)
+        index_words, width, bits = _index_operand(indices, sspmm_vector_width(k), flat)
+        kernel = sddmm_kernel(dim, k, threads, width, bits, half_kind(values.dtype),
+                              half_kind(grad_out.dtype))
+        run(kernel, blocks, threads, grad_out.device, g.item_row, g.item_start, g.item_end,
+            g.col, flat, index_words, _kernel_input(grad_out), grad_weight, num_items)
     return grad_weight
 
 

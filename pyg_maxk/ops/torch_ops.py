@@ -15,6 +15,7 @@ from torch import Tensor
 
 from ..cbsr import index_dtype_for
 from ..graph import GraphOperands
+from ._common import aggregation_dtype
 
 Densify = Callable[[Tensor, Tensor, int], Tensor]
 
@@ -47,28 +48,30 @@ def spmm(rowptr: Tensor, col: Tensor, weight: Optional[Tensor], dense: Tensor, n
          transpose: bool) -> Tensor:
     """``A @ dense`` (``[num_dst, d]``) or, with ``transpose``, ``A^T @ dense``
     (``[num_src, d]``) for the CSR graph ``A`` of ``num_src`` columns, in
-    ``dense``'s dtype."""
+    ``dense``'s dtype promoted with the edge values' (torch's rule)."""
     num_dst = rowptr.numel() - 1
+    out_dtype = aggregation_dtype(dense.dtype, weight, None)
     # Half-precision features accumulate in float32, as the kernels do (and
     # torch.sparse has no half CSR product on the CPU).
-    dtype = torch.float32 if dense.dtype in (torch.float16, torch.bfloat16) else dense.dtype
+    dtype = torch.float32 if out_dtype in (torch.float16, torch.bfloat16) else out_dtype
     adj = csr_matrix(rowptr, col, weight, num_dst, num_src, dtype)
     if transpose:
         adj = adj.t()
     with torch.autocast(dense.device.type, enabled=False):
-        return torch.sparse.mm(adj, dense.to(dtype)).to(dense.dtype)
+        return torch.sparse.mm(adj, dense.to(dtype)).to(out_dtype)
 
 
 def spgemm(g: GraphOperands, values: Tensor, indices: Tensor, num_dst: int,
            dim: int) -> Tensor:
     """``A @ dense(h)``."""
     return spmm(g.rowptr, g.col, g.weight, cbsr_to_dense(values, indices, dim),
-                values.size(0), False)
+                values.size(0), False).to(aggregation_dtype(values.dtype, g.weight, g.row_scale))
 
 
 def sspmm(g: GraphOperands, indices: Tensor, grad_out: Tensor, num_src: int) -> Tensor:
-    """``(A^T @ grad_out)`` sampled at the CBSR pattern."""
-    return spmm(g.rowptr, g.col, g.weight, grad_out, num_src, True).gather(1, indices.long())
+    """``(A^T @ grad_out)`` sampled at the CBSR pattern, in ``grad_out``'s dtype."""
+    grad = spmm(g.rowptr, g.col, g.weight, grad_out, num_src, True).gather(1, indices.long())
+    return grad.to(grad_out.dtype)
 
 
 def sddmm(g: GraphOperands, values: Tensor, indices: Tensor, grad_out: Tensor) -> Tensor:
