@@ -3,8 +3,11 @@ accuracy over seeds (model selected at the best validation epoch).
 
     python benchmarks/accuracy.py --root DIR     # Cora, CiteSeer (DIR/Cora/raw, ...) + synthetic
     python benchmarks/accuracy.py --tiny         # one seed, few epochs (CI smoke run)
+    python benchmarks/accuracy.py --root DIR --autocast bf16   # + MaxK rows under autocast
 
-Planetoid runs use the public split. Writes benchmarks/results/accuracy[-tiny].json,
+Planetoid runs use the public split. With ``--autocast bf16`` (or ``fp16``)
+every MaxK k also trains with its forward passes under ``torch.autocast``
+(``k=K autocast bf16``). Writes benchmarks/results/accuracy[-tiny].json,
 .md (the README table) and .png.
 """
 from __future__ import annotations
@@ -37,6 +40,8 @@ def parse_args(argv=None):
     p.add_argument("--dropout", type=float, default=0.5)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true")
+    p.add_argument("--autocast", choices=["bf16", "fp16"], default=None,
+                   help="also train every MaxK k under torch.autocast with this dtype")
     p.add_argument("--tag", default="", help="suffix of the result files' names")
     p.add_argument("--out", default=str(RESULTS))
     return p.parse_args(argv)
@@ -57,23 +62,34 @@ def main(argv=None):
             raise SystemExit(f"accuracy.py: error: {err}") from None
         for model in models:
             runs = {}
-            for k in [None] + ks:
+            for k, cast in variants(ks, args.autocast):
                 accs = []
                 for seed in range(seeds):
                     cfg = TrainConfig(model=model, hidden=args.hidden, layers=2, epochs=epochs,
                                       lr=args.lr, weight_decay=args.weight_decay,
-                                      dropout=args.dropout, seed=seed, device=args.device)
+                                      dropout=args.dropout, seed=seed, device=args.device,
+                                      autocast=cast)
                     accs.append(100 * train_full_batch(task, cfg, k, verbose=False).test_metric)
-                runs["relu" if k is None else f"k={k}"] = {
+                runs[label(k, cast)] = {
                     "mean": statistics.mean(accs),
                     "std": statistics.stdev(accs) if len(accs) > 1 else 0.0, "runs": accs}
-                print(f"{name:9s} {model:5s} {'ReLU' if k is None else f'MaxK k={k}':10s} "
+                print(f"{name:9s} {model:5s} {'ReLU' if k is None else f'MaxK {label(k, cast)}':10s} "
                       f"{runs[list(runs)[-1]]['mean']:6.2f} +- {runs[list(runs)[-1]]['std']:.2f}",
                       flush=True)
             rows.append({"dataset": name, "model": model, "results": runs})
             path = save(rows, ks, args)  # after every row: a long run stopped early keeps its rows
-    print(markdown(rows, ks, args.hidden))
+    print(markdown(rows, ks, args.hidden, args.autocast))
     print(f"wrote {path}")
+
+
+def variants(ks, cast):
+    """``(k, autocast)`` of every run of a model: the stock ReLU model, each
+    MaxK k, and each MaxK k under autocast (when asked for)."""
+    return [(None, None)] + [(k, None) for k in ks] + ([(k, cast) for k in ks] if cast else [])
+
+
+def label(k, cast) -> str:
+    return "relu" if k is None else f"k={k}" + (f" autocast {cast}" if cast else "")
 
 
 def save(rows, ks, args) -> Path:
@@ -86,20 +102,22 @@ def save(rows, ks, args) -> Path:
                "config": config, "rows": rows}
     out_dir = Path(args.out)
     path = write_json(name, payload, out_dir)
-    (out_dir / f"{name}.md").write_text(markdown(rows, ks, args.hidden))
+    (out_dir / f"{name}.md").write_text(markdown(rows, ks, args.hidden, args.autocast))
     plot(rows, out_dir / f"{name}.png")
     return path
 
 
-def markdown(rows, ks, hidden) -> str:
-    head = "| dataset | model | ReLU | " + " | ".join(f"MaxK k={k} (of {hidden})" for k in ks) + " |"
-    lines = [head, "|" + "---|" * (3 + len(ks))]
+def markdown(rows, ks, hidden, cast=None) -> str:
+    maxk = variants(ks, cast)[1:]
+    head = "| dataset | model | ReLU | " + " | ".join(
+        f"MaxK {label(k, c)} (of {hidden})" for k, c in maxk) + " |"
+    lines = [head, "|" + "---|" * (3 + len(maxk))]
     for r in rows:
         res = r["results"]
         relu = res["relu"]["mean"]
         cells = [f"{res['relu']['mean']:.2f} ± {res['relu']['std']:.2f}"]
-        for k in ks:
-            m = res[f"k={k}"]
+        for k, c in maxk:
+            m = res[label(k, c)]
             cells.append(f"{m['mean']:.2f} ± {m['std']:.2f} ({m['mean'] - relu:+.2f})")
         lines.append(f"| {r['dataset']} | {r['model']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

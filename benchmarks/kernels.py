@@ -3,12 +3,20 @@ stock backward of the same aggregation, and torch.topk.
 
     python benchmarks/kernels.py            # Reddit-shaped graph on a GPU
     python benchmarks/kernels.py --tiny     # CPU smoke run (CI)
+    python benchmarks/kernels.py --dtype bf16 --dims 256   # half-precision CBSR
 
 Every MaxK output (select, SpGEMM, SSpMM, linear) is checked against the
 torch backend (float64 for the linear map) before it is timed. ``--tiny``
 runs the ``"cpu"`` backend's kernels and the ``"numba"`` kernels in Numba's
 simulator on a 100-node graph; ``stock_spmm`` is cuSPARSE on a GPU and
-``torch.sparse`` on a CPU.
+``torch.sparse`` on a CPU, with int64 indices and (``stock_spmm_int32``)
+int32 ones; the speedups are over the faster of the two, in float32.
+
+With ``--dtype bf16`` (or ``fp16``) the MaxK features, CBSR values and output
+gradients are in that type (the kernels accumulate in float32), checked
+against the torch backend on the same half inputs; the stock SpMM is also
+timed with a matrix and features of that type (``stock_spmm_half``, or the
+error it raises).
 Writes benchmarks/results/kernels[-tiny].json and kernels[-tiny].png.
 """
 from __future__ import annotations
@@ -25,6 +33,11 @@ from pyg_maxk.datasets import PRESETS, power_law_edge_index
 
 from common import RESULTS, environment, pyplot, rel_error, save, time_ms
 
+DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: Norm-relative agreement with the torch backend: float32 sums in a
+#: different order, plus (half types) the output's rounding to that type.
+CHECK_TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -35,6 +48,8 @@ def parse_args(argv=None):
     p.add_argument("--edges", type=int, default=None)
     p.add_argument("--max-degree", type=int, default=None)
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                   help="type of the MaxK features and CBSR values")
     p.add_argument("--out", default=str(RESULTS))
     return p.parse_args(argv)
 
@@ -49,7 +64,8 @@ def main(argv=None):
         global WARMUP
         nodes, edges, max_deg = args.nodes or 100, args.edges or 500, args.max_degree or 50
         ks, dims, repeats, WARMUP = [4], [64], 1, 0
-        backends = ["cpu", "numba"]
+        # The cpu backend takes float32/float64 only.
+        backends = ["cpu", "numba"] if args.dtype == "float32" else ["numba"]
     else:
         device = torch.device("cuda")
         reddit = PRESETS["reddit-like"]
@@ -66,7 +82,11 @@ def main(argv=None):
                                                 cache=False), device, warmup=1, repeats=3)
     graph = CSRGraph.from_adj(ei, (nodes, nodes), normalization="mean")
     del ei
+    dtype = DTYPES[args.dtype]
     a_csr = graph.torch_csr(torch.float32)
+    a_csr32 = torch.sparse_csr_tensor(a_csr.crow_indices().int(), a_csr.col_indices().int(),
+                                      a_csr.values(), a_csr.shape)
+    a_half = graph.torch_csr(dtype) if dtype != torch.float32 else None
     a_t = a_csr.t().to_sparse_csr()  # what a transposed-product backward reads
     print(f"graph: {nodes} nodes, {graph.num_edges} edges, max in-degree "
           f"{int(graph.in_degree().max())}, build {t_build['median_ms']:.1f} ms", flush=True)
@@ -74,10 +94,15 @@ def main(argv=None):
     stock = "cuSPARSE" if device.type == "cuda" else "torch.sparse (CPU)"
     rows = []
     for dim in dims:
-        x = torch.randn(nodes, dim, device=device)
-        grad = torch.randn(nodes, dim, device=device)
-        dense_t = timed(lambda: torch.sparse.mm(a_csr, x), device, repeats=repeats)
-        dense_bwd = timed(lambda: torch.sparse.mm(a_t, grad), device, repeats=repeats)
+        x32 = torch.randn(nodes, dim, device=device)
+        grad32 = torch.randn(nodes, dim, device=device)
+        x, grad = x32.to(dtype), grad32.to(dtype)
+        dense_t = timed(lambda: torch.sparse.mm(a_csr, x32), device, repeats=repeats)
+        dense_t32 = timed(lambda: torch.sparse.mm(a_csr32, x32), device, repeats=repeats)
+        stock_half = guarded_time(lambda: torch.sparse.mm(a_half, x), device, repeats) \
+            if a_half is not None else None
+        fastest_stock = min(dense_t["median_ms"], dense_t32["median_ms"])
+        dense_bwd = timed(lambda: torch.sparse.mm(a_t, grad32), device, repeats=repeats)
         for k in ks:
             if k >= dim:
                 continue
@@ -86,11 +111,14 @@ def main(argv=None):
                 ref_out = pyg_maxk.aggregate(graph, ref)
             topk = timed(lambda: torch.topk(x, k, dim=1), device, repeats=repeats)
             for backend in backends:
-                row = {"dim": dim, "k": k, "stock_spmm": dense_t, "stock_backward": dense_bwd,
+                row = {"dim": dim, "k": k, "dtype": args.dtype, "stock_spmm": dense_t,
+                       "stock_spmm_int32": dense_t32, "stock_backward": dense_bwd,
                        "torch_topk": topk}
+                if stock_half is not None:
+                    row["stock_spmm_half"] = stock_half
                 row.update(time_backend(backend, graph, x, grad, k, ref, ref_out, a_t, device,
                                         repeats))
-                row["speedup_spgemm"] = dense_t["median_ms"] / row["maxk_spgemm"]["median_ms"]
+                row["speedup_spgemm"] = fastest_stock / row["maxk_spgemm"]["median_ms"]
                 row["speedup_sspmm"] = dense_bwd["median_ms"] / row["maxk_sspmm"]["median_ms"]
                 rows.append(row)
                 print(f"dim {dim:4d} k {k:4d} [{backend}]: {stock} {dense_t['median_ms']:8.3f} "
@@ -102,11 +130,13 @@ def main(argv=None):
                       + (f" | linear {row['maxk_linear']['median_ms']:.3f} ms vs dense "
                          f"{row['dense_linear']['median_ms']:.3f} ms" if "maxk_linear" in row
                          else ""), flush=True)
-        del x, grad
+        del x, grad, x32, grad32
 
     name = "kernels-tiny" if args.tiny else "kernels"
+    if dtype != torch.float32:
+        name += f"-{args.dtype}"
     payload = {"benchmark": "kernels", "environment": environment(device),
-               "stock_spmm": stock, "backends": backends,
+               "stock_spmm": stock, "backends": backends, "dtype": args.dtype,
                "graph": {"nodes": nodes, "edges": graph.num_edges,
                          "max_in_degree": int(graph.in_degree().max()),
                          "build_ms": t_build["median_ms"]},
@@ -123,6 +153,15 @@ def timed(fn, device, repeats: int) -> dict:
     return time_ms(fn, device, warmup=WARMUP, repeats=repeats)
 
 
+def guarded_time(fn, device, repeats: int) -> dict:
+    """:func:`timed`, or the error a stock op raises (e.g. a dtype that
+    cuSPARSE does not take)."""
+    try:
+        return timed(fn, device, repeats)
+    except RuntimeError as err:
+        return {"skipped": f"RuntimeError: {str(err).splitlines()[0][:200]}"}
+
+
 def time_backend(backend: str, graph, x, grad, k, ref, ref_out, a_t, device,
                  repeats) -> dict:
     """Select, SpGEMM, SSpMM and (where its kernel takes the shape) the CBSR
@@ -130,28 +169,32 @@ def time_backend(backend: str, graph, x, grad, k, ref, ref_out, a_t, device,
     against the torch backend (``ref``, ``ref_out``) before it is timed."""
     from pyg_maxk.ops import _library as lib
     nodes, dim = x.shape
+    tol = CHECK_TOL[x.dtype]
     row = {"backend": backend}
     with pyg_maxk.use_backend(backend):
         h = pyg_maxk.maxk(x, k)
+        assert h.values.dtype == x.dtype
         # Same values (the kernels write them in their own order); tied
         # columns may differ from torch.topk's pick.
         kept = h.values.sort(dim=1, descending=True).values
         assert torch.equal(kept, ref.values), f"{backend}: maxk differs from torch.topk"
         out = pyg_maxk.aggregate(graph, h)
+        assert out.dtype == x.dtype
         row["spgemm_rel_error"] = rel_error(out, ref_out)
-        assert row["spgemm_rel_error"] < 1e-4, row
+        assert row["spgemm_rel_error"] < tol, row
         row["maxk_spgemm"] = timed(lambda: pyg_maxk.aggregate(graph, h), device,
                                      repeats=repeats)
         row["maxk_select"] = timed(lambda: pyg_maxk.maxk(x, k), device, repeats=repeats)
     operands = graph.operands(k)
     gv = lib.sspmm(*operands, h.indices, grad, nodes, backend)
-    ref_gv = torch.sparse.mm(a_t, grad).gather(1, h.long_indices())
+    assert gv.dtype == grad.dtype
+    ref_gv = torch.sparse.mm(a_t, grad.float()).gather(1, h.long_indices())
     row["sspmm_rel_error"] = rel_error(gv, ref_gv)
-    assert row["sspmm_rel_error"] < 1e-4, row
+    assert row["sspmm_rel_error"] < tol, row
     row["maxk_sspmm"] = timed(lambda: lib.sspmm(*operands, h.indices, grad, nodes, backend),
                                 device, repeats=repeats)
     from pyg_maxk.ops import numba_ops
-    if backend == "cpu" or numba_ops.supports_linear(dim, k):
+    if x.dtype == torch.float32 and (backend == "cpu" or numba_ops.supports_linear(dim, k)):
         row.update(time_linear(h, dim, device, repeats, backend))
     return row
 

@@ -6,13 +6,15 @@
     python benchmarks/train.py --device cpu --graphs reddit --scale 0.02 --forms edge_index,csr
     python benchmarks/train.py --graphs products --models sage --tf32   # TF32 matmuls, both sides
     python benchmarks/train.py --graphs cora --compile default,reduce-overhead
+    python benchmarks/train.py --graphs reddit,products --models sage --autocast bf16
 
 For every graph and model (SAGE, GCN, GIN: an input linear map, L convs of
 width 256, an output linear map, Adam) it times one training epoch (forward,
 cross-entropy, backward, optimizer step)
 
 * of the stock PyG model (ReLU) with every stock input form: ``edge_index``,
-  ``EdgeIndex``, a ``torch.sparse`` CSR ``adj_t``, and ``SparseTensor`` when
+  ``EdgeIndex``, a ``torch.sparse`` CSR ``adj_t`` with int64 indices
+  (``csr``) and with int32 ones (``csr-int32``), and ``SparseTensor`` when
   torch_sparse is present (and works on the device);
 * of the stock model on the same nodes with *no edges* (same input form as
   the CSR run): the time spent outside message passing, from which the
@@ -24,7 +26,11 @@ cross-entropy, backward, optimizer step)
   the stock model with ``edge_index`` (the form dynamo compiles), the MaxK
   model on a graph prepared by :class:`pyg_maxk.ToCSRGraph` with
   ``fullgraph=True``; each after checking that the compiled model's output
-  and gradients match eager's, and with its first (compiling) step timed.
+  and gradients match eager's, and with its first (compiling) step timed;
+* with ``--autocast bf16`` (or ``fp16``), of the MaxK model under
+  ``torch.autocast`` (checked against the ``"torch"`` backend under the same
+  autocast), and of the stock model in every form both in float32 and under
+  the same autocast (a form that fails under it is reported with its error).
 
 Stock GCN runs with ``cached=True`` (its normalised graph computed once, as a
 full-batch PyG user writes it), as the MaxK GCN caches its graph.
@@ -43,8 +49,10 @@ On a CPU, denormal floats are flushed to zero for both
 (:func:`pyg_maxk.training.flush_denormals`, as ``pyg-maxk train`` does):
 gradients that decay into that range would otherwise slow later epochs'
 matrix products several times.
-Writes ``benchmarks/results/train[-tiny|-tf32].json`` and a ``.png`` of the
-same name.
+Every speedup in the summary (``vs_fastest_stock``) is against the fastest
+stock entry of the same run, which it names.
+Writes ``benchmarks/results/train[-tiny|-cpu][-tf32][-compile][-autocast-bf16].json``
+and a ``.png`` of the same name.
 """
 from __future__ import annotations
 
@@ -78,7 +86,12 @@ WORKLOADS = {
     "products": ("products-like", 3),
     "cora": ("cora-like", 2),
 }
-FORMS = ("edge_index", "EdgeIndex", "csr", "SparseTensor")
+FORMS = ("edge_index", "EdgeIndex", "csr", "csr-int32", "SparseTensor")
+#: ``--autocast`` names and their dtypes.
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+#: Norm-relative agreement of a whole MaxK model under autocast with the
+#: torch backend under the same autocast (half-precision roundings).
+AUTOCAST_RTOL = 5e-2
 #: Workloads whose epochs are host-bound: also timed interleaved.
 HOST_BOUND = ("cora",)
 HIDDEN = 256
@@ -107,6 +120,8 @@ def parse_args(argv=None):
                    help="allow TF32 in float32 matmuls (both sides; default: IEEE float32)")
     p.add_argument("--compile", default="",
                    help="torch.compile modes to time too, e.g. default,reduce-overhead")
+    p.add_argument("--autocast", choices=sorted(AUTOCAST), default=None,
+                   help="also time both models under torch.autocast with this dtype")
     p.add_argument("--out", default=str(RESULTS))
     return p.parse_args(argv)
 
@@ -137,10 +152,11 @@ def adjacency(form: str, edge_index: torch.Tensor, n: int):
         from torch_geometric import EdgeIndex
         return EdgeIndex(edge_index, sparse_size=(n, n), sort_order="col")
     src, dst = edge_index
-    if form == "csr":
-        rowptr = torch.ops.aten._convert_indices_from_coo_to_csr(dst, n)
+    if form in ("csr", "csr-int32"):
+        int32 = form == "csr-int32"
+        rowptr = torch.ops.aten._convert_indices_from_coo_to_csr(dst, n, out_int32=int32)
         ones = torch.ones(src.numel(), device=src.device)
-        return torch.sparse_csr_tensor(rowptr, src, ones, (n, n))
+        return torch.sparse_csr_tensor(rowptr, src.int() if int32 else src, ones, (n, n))
     if form == "SparseTensor":
         from torch_sparse import SparseTensor
         return SparseTensor(row=dst, col=src, sparse_sizes=(n, n), is_sorted=True,
@@ -148,20 +164,29 @@ def adjacency(form: str, edge_index: torch.Tensor, n: int):
     raise ValueError(form)
 
 
-def epoch_fn(model, opt, x, adj, y, cudagraphs: bool = False):
+def forward_loss(model, x, adj, y, autocast: Optional[torch.dtype] = None):
+    """The cross-entropy loss of ``model(x, adj)``, under ``torch.autocast``
+    with ``autocast`` (a half dtype) when given."""
+    with torch.autocast(x.device.type, dtype=autocast or torch.float32,
+                        enabled=autocast is not None):
+        return F.cross_entropy(model(x, adj), y)
+
+
+def epoch_fn(model, opt, x, adj, y, cudagraphs: bool = False,
+             autocast: Optional[torch.dtype] = None):
     def step():
         if cudagraphs:  # a new iteration of CUDA-graph replays
             torch.compiler.cudagraph_mark_step_begin()
         opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x, adj), y)
-        loss.backward()
+        forward_loss(model, x, adj, y, autocast).backward()
         opt.step()
     return step
 
 
-def time_epoch(model, x, adj, y, device, repeats) -> Dict[str, object]:
+def time_epoch(model, x, adj, y, device, repeats,
+               autocast: Optional[torch.dtype] = None) -> Dict[str, object]:
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    step = epoch_fn(model, opt, x, adj, y)
+    step = epoch_fn(model, opt, x, adj, y, autocast=autocast)
     if device.type == "cuda":
         # Peak memory counts what is still allocated: collect the cyclic
         # garbage first (an out-of-memory error caught in guarded() leaves
@@ -214,12 +239,14 @@ def messages_fit(form: str, num_edges: int, device: torch.device) -> Optional[st
     return None
 
 
-def check_maxk_output(model, x, adj, y) -> Dict[str, float]:
+def check_maxk_output(model, x, adj, y, autocast: Optional[torch.dtype] = None
+                      ) -> Dict[str, float]:
     """The MaxK model's loss and gradients (one training step, train mode)
     on the active backend against the ``"torch"`` reference backend (same
-    parameters): :func:`~common.check_against_torch_backend`."""
-    return check_against_torch_backend(model, lambda: F.cross_entropy(model(x, adj), y),
-                                       MODEL_RTOL)
+    parameters, same autocast): :func:`~common.check_against_torch_backend`."""
+    return check_against_torch_backend(
+        model, lambda: forward_loss(model, x, adj, y, autocast),
+        MODEL_RTOL if autocast is None else AUTOCAST_RTOL)
 
 
 def prepared_graph(kind: str, edge_index, n: int, k: int):
@@ -279,7 +306,7 @@ def time_compiled(model, x, adj, y, device, repeats, mode) -> Dict[str, object]:
 
 
 def run_workload(name: str, models, forms, ks, device, repeats, scale,
-                 compile_modes=()) -> Dict[str, object]:
+                 compile_modes=(), autocast: Optional[str] = None) -> Dict[str, object]:
     preset, layers = WORKLOADS[name]
     data = make_graph(preset, device, scale)
     n, ei, x, y = data["num_nodes"], data["edge_index"], data["x"], data["y"]
@@ -298,36 +325,42 @@ def run_workload(name: str, models, forms, ks, device, repeats, scale,
             return cls(x.size(1), HIDDEN, layers, data["num_classes"], k=None,
                        **CONV_KWARGS[kind]).to(device)
 
+        casts = [(None, "")] + ([(AUTOCAST[autocast], f" autocast {autocast}")]
+                                if autocast else [])
         for form in FORMS if name not in HOST_BOUND else forms:
             reason = ("not requested" if form not in forms
                       else messages_fit(form, ei.size(1), device))
-            if reason:
-                print(f"  {kind} stock {form}: skipped ({reason})", flush=True)
-                entry["stock"][form] = {"skipped": reason}
-                continue
-            entry["stock"][form] = guarded(
-                lambda: time_epoch(stock_model(), x, adjacency(form, ei, n), y, device, repeats),
-                f"{kind} stock {form}")
-            _report(kind, f"stock {form}", entry["stock"][form])
+            for dtype, suffix in casts:
+                label = form + suffix
+                if reason:
+                    print(f"  {kind} stock {label}: skipped ({reason})", flush=True)
+                    entry["stock"][label] = {"skipped": reason}
+                    continue
+                entry["stock"][label] = guarded(
+                    lambda: time_epoch(stock_model(), x, adjacency(form, ei, n), y, device,
+                                       repeats, dtype),
+                    f"{kind} stock {label}")
+                _report(kind, f"stock {label}", entry["stock"][label])
         entry["stock_outside_mp"] = guarded(
             lambda: time_epoch(stock_model(), x, adjacency("csr", empty, n), y, device, repeats),
             f"{kind} stock without edges")
         _report(kind, "stock, no edges", entry["stock_outside_mp"])
         for k in ks:
-            torch.manual_seed(0)
-            model = cls(x.size(1), HIDDEN, layers, data["num_classes"], k=k,
-                        **CONV_KWARGS[kind]).to(device)
-            clear_graph_cache()
-            # A whole deep model agrees with the reference to its rounding
-            # sensitivity (see check_against_torch_backend); single kernels
-            # are checked against float64 in kernels.py.
-            err = check_maxk_output(model, x, ei, y)
-            clear_graph_cache()  # drop the reference backend's torch CSR copy
-            # Unguarded: an error on the MaxK side fails the run.
-            t = time_epoch(model, x, ei, y, device, repeats)
-            t["check_vs_torch_backend"] = err
-            entry["maxk"][str(k)] = t
-            _report(kind, f"MaxK k={k}", t)
+            for dtype, suffix in casts:
+                torch.manual_seed(0)
+                model = cls(x.size(1), HIDDEN, layers, data["num_classes"], k=k,
+                            **CONV_KWARGS[kind]).to(device)
+                clear_graph_cache()
+                # A whole deep model agrees with the reference to its rounding
+                # sensitivity (see check_against_torch_backend); single kernels
+                # are checked against float64 in kernels.py.
+                err = check_maxk_output(model, x, ei, y, dtype)
+                clear_graph_cache()  # drop the reference backend's torch CSR copy
+                # Unguarded: an error on the MaxK side fails the run.
+                t = time_epoch(model, x, ei, y, device, repeats, dtype)
+                t["check_vs_torch_backend"] = err
+                entry["maxk"][str(k) + suffix] = t
+                _report(kind, f"MaxK k={k}{suffix}", t)
         for mode in compile_modes:
             entry["stock"][f"compiled {mode}"] = guarded(
                 lambda: time_compiled(stock_model(), x, ei, y, device, repeats, mode),
@@ -447,12 +480,14 @@ def main(argv=None):
         large = args.large_forms.split(",") if args.large_forms else forms
         payload["workloads"][name] = run_workload(
             name, models, forms if name in HOST_BOUND else large, ks, device, repeats, scale,
-            compile_modes)
+            compile_modes, args.autocast)
     name = "train-tiny" if args.tiny else ("train" if device.type == "cuda" else "train-cpu")
     if args.tf32:
         name += "-tf32"
     if compile_modes and not args.tiny:
         name += "-compile"
+    if args.autocast and not args.tiny:
+        name += f"-autocast-{args.autocast}"
     out_dir = Path(args.out)
     path = write_json(name, payload, out_dir)
     plot(payload, out_dir / f"{name}.png")

@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the stock model's adjacency with --compare (full batch); auto: "
                         "the fastest measured for the device and graph (edge_index on a "
                         "GPU below ~1M edges, else a torch.sparse CSR adj_t)")
+    t.add_argument("--autocast", choices=["bf16", "fp16"], default=None,
+                   help="run the forward passes under torch.autocast with this dtype "
+                        "(both models with --compare; the stock model then defaults to "
+                        "edge_index, its only form that runs under autocast)")
     t.add_argument("--loader", choices=["full", "neighbor"], default="full",
                    help="full-batch training, or mini-batches from PyG's NeighborLoader")
     t.add_argument("--fanout", type=_fanout, default=[25, 10],
@@ -102,7 +106,7 @@ def _config(args, device: str) -> TrainConfig:
                        dropout=args.dropout, seed=args.seed,
                        device=device, fanout=args.fanout, batch_size=args.batch_size,
                        num_workers=args.num_workers, log_every=args.log_every,
-                       stock_form=args.stock_form,
+                       stock_form=args.stock_form, autocast=args.autocast,
                        progress=False if args.no_progress else None)
 
 

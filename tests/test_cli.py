@@ -124,3 +124,22 @@ def test_ogb_datasets_use_the_split_and_ogbs_evaluator(name, metric, monkeypatch
     assert main(["train", "--dataset", name, "--epochs", "2", "--hidden", "16", "--k", "4",
                  "--no-progress"]) == 0
     assert f"test {metric}" in capsys.readouterr().out
+
+
+def test_autocast_compare_trains_both_models_under_autocast(monkeypatch, capsys):
+    # Both models' forward passes under torch.autocast; the stock model takes
+    # edge_index, the one form whose message passing runs there.
+    entered = []
+    original = torch.autocast.__init__
+
+    def spy(self, device_type, dtype=None, enabled=True, *args, **kwargs):
+        if enabled:
+            entered.append(dtype)
+        original(self, device_type, dtype, enabled, *args, **kwargs)
+
+    monkeypatch.setattr(torch.autocast, "__init__", spy)
+    assert main(["train", "--autocast", "bf16", "--compare", "--epochs", "2", "--scale", "0.2",
+                 "--device", "cpu", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "stock ReLU (edge_index)" in out
+    assert entered and set(entered) == {torch.bfloat16}
