@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 
-from pyg_maxk.datasets import DatasetUnavailable, load_dataset
-from pyg_maxk.training import TrainConfig, train_full_batch
+from pyg_maxk.app.datasets import DatasetUnavailable, load_dataset
+from pyg_maxk.app.training import TrainConfig, train_full_batch
 
 from common import RESULTS, environment, pyplot, write_json
 

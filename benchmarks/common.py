@@ -65,7 +65,7 @@ def ceiling_setup(description: str, argv=None):
     import argparse
 
     from pyg_maxk import CSRGraph
-    from pyg_maxk.datasets import PRESETS, power_law_edge_index
+    from pyg_maxk.app.datasets import PRESETS, power_law_edge_index
 
     p = argparse.ArgumentParser(description=description,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

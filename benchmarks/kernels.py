@@ -29,7 +29,7 @@ import torch
 
 import pyg_maxk
 from pyg_maxk import CSRGraph
-from pyg_maxk.datasets import PRESETS, power_law_edge_index
+from pyg_maxk.app.datasets import PRESETS, power_law_edge_index
 
 from common import RESULTS, environment, pyplot, rel_error, save, time_ms
 

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 
 
 from pyg_maxk import CSRGraph
-from pyg_maxk.datasets import load_dataset
+from pyg_maxk.app.datasets import load_dataset
 from pyg_maxk.nn import MaxKGraphSAGE
-from pyg_maxk.training import TrainConfig, neighbor_loader
+from pyg_maxk.app.training import TrainConfig, neighbor_loader
 
 from common import (RESULTS, check_against_torch_backend, environment, pyplot, save,
                     time_ms)

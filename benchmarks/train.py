@@ -46,7 +46,7 @@ peak memory is ``torch.cuda.max_memory_allocated`` over the timed epochs.
 Float32 matmuls are full IEEE float32 (PyTorch's default) unless ``--tf32``
 lets cuBLAS use TF32 tensor cores, for the stock and the MaxK models alike.
 On a CPU, denormal floats are flushed to zero for both
-(:func:`pyg_maxk.training.flush_denormals`, as ``pyg-maxk train`` does):
+(:func:`pyg_maxk.app.training.flush_denormals`, as ``pyg-maxk train`` does):
 gradients that decay into that range would otherwise slow later epochs'
 matrix products several times.
 Every speedup in the summary (``vs_fastest_stock``) is against the fastest
@@ -69,9 +69,9 @@ from torch_geometric.utils import coalesce
 import pyg_maxk
 from pyg_maxk import clear_graph_cache
 from pyg_maxk.dispatch import resolve_backend
-from pyg_maxk.datasets import PRESETS, power_law_edge_index
+from pyg_maxk.app.datasets import PRESETS, power_law_edge_index
 from pyg_maxk.nn import MaxKGCN, MaxKGIN, MaxKGraphSAGE
-from pyg_maxk.training import flush_denormals
+from pyg_maxk.app.training import flush_denormals
 
 from common import (RESULTS, check_against_torch_backend, environment, pyplot,
                     rel_error, time_interleaved, time_ms, write_json)

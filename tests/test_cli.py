@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pyg_maxk.cli import build_parser, main
+from pyg_maxk.app.cli import build_parser, main
 
 SHARED_PLANETOID = Path(__file__).resolve().parents[2] / "shared" / "data" / "planetoid"
 
@@ -112,7 +112,7 @@ def test_ogb_datasets_use_the_split_and_ogbs_evaluator(name, metric, monkeypatch
     ogb = pytest.importorskip("ogb")
     import ogb.nodeproppred
     monkeypatch.setattr(ogb.nodeproppred, "PygNodePropPredDataset", _FakeOgbDataset)
-    from pyg_maxk.datasets import load_dataset
+    from pyg_maxk.app.datasets import load_dataset
     task = load_dataset(name, "unused")
     data = task.data
     assert task.metric == metric and int(data.train_mask.sum()) == 30

@@ -2,7 +2,7 @@
 import re
 from pathlib import Path
 
-from pyg_maxk.cli import main
+from pyg_maxk.app.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -92,7 +92,7 @@ def test_ddp_two_processes_gloo(tmp_path):
 
 
 def test_flush_denormals_only_on_a_cpu(monkeypatch):
-    from pyg_maxk.training import flush_denormals
+    from pyg_maxk.app.training import flush_denormals
 
     calls = []
     monkeypatch.setattr(torch, "set_flush_denormal", lambda on: calls.append(on) or True)
@@ -101,7 +101,7 @@ def test_flush_denormals_only_on_a_cpu(monkeypatch):
 
 
 def test_flushed_denormals_read_as_zero():
-    from pyg_maxk.training import flush_denormals
+    from pyg_maxk.app.training import flush_denormals
 
     if not flush_denormals("cpu"):
         pytest.skip("this CPU has no flush-to-zero mode")

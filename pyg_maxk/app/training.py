@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .datasets import NodeTask
-from .nn import MaxKGCN, MaxKGIN, MaxKGraphSAGE
+from ..nn import MaxKGCN, MaxKGIN, MaxKGraphSAGE
 
 MODELS = {"sage": MaxKGraphSAGE, "gcn": MaxKGCN, "gin": MaxKGIN}
 
