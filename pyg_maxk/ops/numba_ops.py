@@ -10,8 +10,9 @@ compute in float32. float16/bfloat16 tensors are read as they are stored
 (their 16-bit patterns, widened in registers: :mod:`pyg_maxk.kernels._half`),
 so half precision halves the bytes the kernels gather; the select and
 densify kernels copy half values bit for bit, and results that are sums
-(aggregation, its gradients) are float32 in the kernels and narrowed to the
-input's type once at the end.
+(aggregation, its gradients) are float32 in the kernels and rounded once at
+the end to the result's type (:func:`~._common.aggregation_dtype` for the
+aggregation, the gradient's type for its backward).
 
 Under Numba's simulator (``NUMBA_ENABLE_CUDASIM=1``) the same functions run
 the same kernels on CPU tensors.
