@@ -269,6 +269,10 @@ def test_features_beyond_32_bit_offsets_are_a_clear_error():
     for rows, k in ((2**27, 32), (2**27, 16), (2**28, 8)):
         with pytest.raises(ValueError, match="uint32"):
             numba_ops.check_cbsr_offsets(rows, k, large)
+    # Packed half-precision pairs take one offset per slot.
+    numba_ops.check_cbsr_offsets(2**28 - 1, 16, large, torch.bfloat16)
+    with pytest.raises(ValueError, match="uint32"):
+        numba_ops.check_cbsr_offsets(2**28, 16, large, torch.bfloat16)
 
 
 def test_too_wide_for_shared_memory_raises_when_forced_and_falls_back_under_auto():

@@ -48,7 +48,7 @@ def float_bits(kind: str):
         def bits(x):
             return (uint32(x) & _LOW16) << _SIXTEEN
         return bits
-    to_bits, fp16_to_float = _bitcast_to_uint32(), _fp16_to_float32()
+    to_bits, fp16_to_float = _bitcast(to_float=False), _fp16_to_float32()
 
     @cuda.jit(device=True, inline=True)
     def bits(x):
@@ -69,7 +69,7 @@ def widen(kind: str):
     if simulator_enabled():
         return _simulated_widen(kind)
     if kind == "bf16":
-        from_bits = _bitcast_to_float32()
+        from_bits = _bitcast(to_float=True)
 
         @cuda.jit(device=True, inline=True)
         def value(x):
@@ -101,14 +101,6 @@ def _bitcast(to_float: bool):
         return target(source), codegen
 
     return cast
-
-
-def _bitcast_to_float32():
-    return _bitcast(True)
-
-
-def _bitcast_to_uint32():
-    return _bitcast(False)
 
 
 @functools.lru_cache(maxsize=None)

@@ -259,7 +259,7 @@ def spgemm(g: GraphOperands, values: Tensor, indices: Tensor, num_dst: int,
     with a per-row scale (a mean without edge values) is aggregated
     unweighted and scaled once per output row."""
     k = values.size(1)
-    check_cbsr_offsets(values.size(0), k, g.col.numel())
+    check_cbsr_offsets(values.size(0), k, g.col.numel(), values.dtype)
     weight, row_scale = kernel_weights(g)
     # Only the rows no single item writes whole start from zero, not all of
     # [num_dst, dim] (about a tenth of the rows on a power-law graph).
@@ -344,10 +344,13 @@ def supports(k: int, dim: int) -> bool:
     return fits_shared_memory(k, dim, block_threads() // WARP)
 
 
-def check_cbsr_offsets(num_rows: int, k: int, num_edges: int) -> None:
+def check_cbsr_offsets(num_rows: int, k: int, num_edges: int,
+                       dtype: torch.dtype = KERNEL_DTYPE) -> None:
     """Raise unless the kernels' uint32 offsets reach every CBSR slot (``row *
-    k + slot``, twice that where the forward reads (value, index) pairs)."""
-    slots = num_rows * k * (2 if _uses_pairs(k, num_edges) else 1)
+    k + slot``, twice that where the forward reads float32 (value, index)
+    pairs; a packed half pair is one word per slot)."""
+    doubled = _uses_pairs(k, num_edges, dtype) and dtype not in HALF_KINDS
+    slots = num_rows * k * (2 if doubled else 1)
     if slots > UINT32_MAX:
         raise ValueError(
             f"The pyg_maxk kernels index CBSR slots with uint32 and these features "
