@@ -20,8 +20,12 @@ They compute in the features' dtype (float32 or float64).
 """
 from __future__ import annotations
 
-import functools
-from types import SimpleNamespace
+from ._numba import patch_numpy
+
+patch_numpy()  # before Numba reads numpy
+
+import numpy as np  # noqa: E402
+from numba import njit, prange  # noqa: E402
 
 #: Rows per parallel task of :func:`select_rows` (its scratch rows are
 #: allocated once per task).
@@ -33,226 +37,80 @@ SELECT_BISECTIONS = 16
 _LINEAR_FASTMATH = {"reassoc", "contract"}
 
 
-@functools.lru_cache(maxsize=None)
-def _kernels():
-    from ._numba import patch_numpy
-    patch_numpy()
-    import numpy as np
-    from numba import njit, prange
-
-    @njit(parallel=True, cache=True)
-    def spgemm_rows(rowptr, col, weight, weighted, values, indices, out):
-        k = values.shape[1]
-        for r in prange(out.shape[0]):
-            for e in range(rowptr[r], rowptr[r + 1]):
-                c = col[e]
-                a = weight[e] if weighted else 1.0
-                for j in range(k):
-                    out[r, indices[c, j]] += a * values[c, j]
-
-    @njit(parallel=True, cache=True)
-    def sspmm_rows(colptr, row, weight_t, weighted, indices, grad_out, grad_values):
-        k = grad_values.shape[1]
-        for c in prange(grad_values.shape[0]):
-            for e in range(colptr[c], colptr[c + 1]):
-                r = row[e]
-                a = weight_t[e] if weighted else 1.0
-                for j in range(k):
-                    grad_values[c, j] += a * grad_out[r, indices[c, j]]
-
-    @njit(parallel=True, cache=True)
-    def sddmm_rows(rowptr, col, values, indices, grad_out, grad_weight):
-        k = values.shape[1]
-        for r in prange(grad_out.shape[0]):
-            for e in range(rowptr[r], rowptr[r + 1]):
-                c = col[e]
-                acc = 0.0
-                for j in range(k):
-                    acc += values[c, j] * grad_out[r, indices[c, j]]
-                grad_weight[e] = acc
-
-    @njit(cache=True, inline="always")
-    def kth_smallest(a, m, kth):
-        """Permute ``a[:m]`` so that ``a[kth]`` is its kth smallest (0-based;
-        quickselect, median-of-three pivots) and return it."""
-        lo, hi = 0, m - 1
-        while hi > lo:
-            x, y, z = a[lo], a[(lo + hi) >> 1], a[hi]
-            if x > y:
-                x, y = y, x
-            if y > z:
-                y = z
-            if x > y:
-                y = x
-            i, j = lo, hi
-            while i <= j:
-                while a[i] < y:
-                    i += 1
-                while a[j] > y:
-                    j -= 1
-                if i <= j:
-                    a[i], a[j] = a[j], a[i]
-                    i += 1
-                    j -= 1
-            if kth <= j:
-                hi = j
-            elif kth >= i:
-                lo = i
-            else:
-                break
-        return a[kth]
-
-    @njit(parallel=True, cache=True)
-    def select_rows(x, k, indices):
-        n, dim = x.shape
-        for block in prange((n + SELECT_BLOCK_ROWS - 1) // SELECT_BLOCK_ROWS):
-            cand = np.empty(dim, x.dtype)
-            cand_col = np.empty(dim, np.int64)
-            tops = np.empty(k, x.dtype)
-            cols = np.empty(dim + 1, np.int64)
-            for r in range(block * SELECT_BLOCK_ROWS, min(n, (block + 1) * SELECT_BLOCK_ROWS)):
-                row = x[r]
-                nans = 0
-                for c in range(dim):
-                    nans += np.isnan(row[c])
-                need = k - nans  # numbers kept besides the NaNs
-                if need <= 0:
-                    out = 0
-                    for c in range(dim):
-                        if out < k and np.isnan(row[c]):
-                            indices[r, out] = c
-                            out += 1
-                    continue
-                if nans == 0:
-                    # Each group {j, j + k, j + 2k, ...} holds its maximum, which
-                    # is >= lo: at least k entries lie at or above lo.
-                    for j in range(k):
-                        tops[j] = row[j]
-                    for base in range(k, dim, k):
-                        for j in range(min(k, dim - base)):
-                            tops[j] = max(tops[j], row[base + j])
-                    lo = tops[0]
-                    hi = tops[0]
-                    for j in range(1, k):
-                        lo = min(lo, tops[j])
-                        hi = max(hi, tops[j])
-                else:
-                    lo, hi = -np.inf, np.inf
-                m = 0
-                for c in range(dim):  # branch-free: keep the numbers >= lo, in column order
-                    cand[m] = row[c]
-                    cand_col[m] = c
-                    m += row[c] >= lo
-                # Bisect [lo, hi] while it still drops candidates; at least
-                # `need` of them stay at or above lo throughout.
-                for _ in range(SELECT_BISECTIONS):
-                    if m == need:
-                        break
-                    mid = lo + (hi - lo) * 0.5
-                    if not lo < mid < hi:
-                        break
-                    count = 0
-                    for c in range(m):
-                        count += cand[c] >= mid
-                    if count >= need:
-                        lo, kept = mid, 0
-                        for c in range(m):
-                            cand[kept] = cand[c]
-                            cand_col[kept] = cand_col[c]
-                            kept += cand[c] >= mid
-                        m = kept
-                    else:
-                        hi = mid
-                if m == need and nans == 0:  # the candidates are the kept entries
-                    for j in range(k):
-                        indices[r, j] = cand_col[j]
-                    continue
-                if m == need:
-                    t = cand[0]
-                    for c in range(1, m):
-                        t = min(t, cand[c])
-                else:
-                    t = kth_smallest(cand, m, m - need)  # the need-th largest
-                above = 0
-                for c in range(dim):
-                    above += row[c] > t
-                ties = need - above  # entries equal to t to keep, lowest columns first
-                out = 0
-                for c in range(dim):  # branch-free compaction of the kept columns
-                    v = row[c]
-                    tie = (v == t) & (ties > 0)
-                    ties -= tie
-                    cols[out] = c
-                    out += (v > t) | np.isnan(v) | tie
-                for j in range(k):
-                    indices[r, j] = cols[j]
-
-    @njit(parallel=True, fastmath=_LINEAR_FASTMATH, cache=True)
-    def linear_rows(values, indices, weight_t, bias, has_bias, out):
-        m = out.shape[1]
-        for i in prange(values.shape[0]):
-            row = out[i]
-            for o in range(m):
-                row[o] = bias[o] if has_bias else 0
-            for s in range(values.shape[1]):
-                v = values[i, s]
-                w = weight_t[indices[i, s]]
-                for o in range(m):
-                    row[o] += v * w[o]
-
-    @njit(parallel=True, fastmath=_LINEAR_FASTMATH, cache=True)
-    def linear_input_grad_rows(grad_out, indices, weight_t, grad_values):
-        m = grad_out.shape[1]
-        for i in prange(indices.shape[0]):
-            g = grad_out[i]
-            for s in range(indices.shape[1]):
-                w = weight_t[indices[i, s]]
-                acc = g[0] * w[0]
-                for o in range(1, m):
-                    acc += g[o] * w[o]
-                grad_values[i, s] = acc
-
-    @njit(parallel=True, fastmath=_LINEAR_FASTMATH, cache=True)
-    def linear_weight_grad_parts(grad_out, values, indices, parts):
-        n, k = values.shape
-        m = grad_out.shape[1]
-        chunk = (n + parts.shape[0] - 1) // parts.shape[0]
-        for p in prange(parts.shape[0]):
-            part = parts[p]
-            part[:] = 0
-            for i in range(p * chunk, min(n, (p + 1) * chunk)):
-                g = grad_out[i]
-                for s in range(k):
-                    v = values[i, s]
-                    acc = part[indices[i, s]]
-                    for o in range(m):
-                        acc[o] += v * g[o]
-
-    return SimpleNamespace(spgemm_rows=spgemm_rows, sspmm_rows=sspmm_rows, sddmm_rows=sddmm_rows,
-                           select_rows=select_rows, linear_rows=linear_rows,
-                           linear_input_grad_rows=linear_input_grad_rows,
-                           linear_weight_grad_parts=linear_weight_grad_parts)
-
-
-def spgemm_rows(rowptr, col, weight, weighted: bool, values, indices, out) -> None:
+@njit(parallel=True, cache=True)
+def spgemm_rows(rowptr, col, weight, weighted, values, indices, out):
     """``out[r] += sum over edges (c -> r) of a_e * row c of the CBSR``
     (``a_e = weight[e]`` when ``weighted``, else 1)."""
-    _kernels().spgemm_rows(rowptr, col, weight, weighted, values, indices, out)
+    k = values.shape[1]
+    for r in prange(out.shape[0]):
+        for e in range(rowptr[r], rowptr[r + 1]):
+            c = col[e]
+            a = weight[e] if weighted else 1.0
+            for j in range(k):
+                out[r, indices[c, j]] += a * values[c, j]
 
 
-def sspmm_rows(colptr, row, weight_t, weighted: bool, indices, grad_out, grad_values) -> None:
+@njit(parallel=True, cache=True)
+def sspmm_rows(colptr, row, weight_t, weighted, indices, grad_out, grad_values):
     """``grad_values[c, j] += sum over edges (c -> r) of a_e * grad_out[r, indices[c, j]]``,
     over the transposed graph ``(colptr, row, weight_t)``."""
-    _kernels().sspmm_rows(colptr, row, weight_t, weighted, indices, grad_out, grad_values)
+    k = grad_values.shape[1]
+    for c in prange(grad_values.shape[0]):
+        for e in range(colptr[c], colptr[c + 1]):
+            r = row[e]
+            a = weight_t[e] if weighted else 1.0
+            for j in range(k):
+                grad_values[c, j] += a * grad_out[r, indices[c, j]]
 
 
-def sddmm_rows(rowptr, col, values, indices, grad_out, grad_weight) -> None:
+@njit(parallel=True, cache=True)
+def sddmm_rows(rowptr, col, values, indices, grad_out, grad_weight):
     """``grad_weight[e] = sum_j values[c, j] * grad_out[r, indices[c, j]]`` for
     every edge ``e = (c -> r)``."""
-    _kernels().sddmm_rows(rowptr, col, values, indices, grad_out, grad_weight)
+    k = values.shape[1]
+    for r in prange(grad_out.shape[0]):
+        for e in range(rowptr[r], rowptr[r + 1]):
+            c = col[e]
+            acc = 0.0
+            for j in range(k):
+                acc += values[c, j] * grad_out[r, indices[c, j]]
+            grad_weight[e] = acc
 
 
-def select_rows(x, k: int, indices) -> None:
+@njit(cache=True, inline="always")
+def _kth_smallest(a, m, kth):
+    """Permute ``a[:m]`` so that ``a[kth]`` is its kth smallest (0-based;
+    quickselect, median-of-three pivots) and return it."""
+    lo, hi = 0, m - 1
+    while hi > lo:
+        x, y, z = a[lo], a[(lo + hi) >> 1], a[hi]
+        if x > y:
+            x, y = y, x
+        if y > z:
+            y = z
+        if x > y:
+            y = x
+        i, j = lo, hi
+        while i <= j:
+            while a[i] < y:
+                i += 1
+            while a[j] > y:
+                j -= 1
+            if i <= j:
+                a[i], a[j] = a[j], a[i]
+                i += 1
+                j -= 1
+        if kth <= j:
+            hi = j
+        elif kth >= i:
+            lo = i
+        else:
+            break
+    return a[kth]
+
+
+@njit(parallel=True, cache=True)
+def select_rows(x, k, indices):
     """Write into ``indices[N, k]`` the columns of the ``k`` largest entries of
     each row of ``x[N, dim]`` (``1 <= k <= dim``), in column order: the
     entries ``torch.topk`` keeps, NaN above every number, and among entries
@@ -265,28 +123,141 @@ def select_rows(x, k: int, indices) -> None:
     otherwise (ties, NaN) a quickselect finds the ``k``-th largest and one
     branch-free pass over the row writes the columns.
     """
-    _kernels().select_rows(x, k, indices)
+    n, dim = x.shape
+    for block in prange((n + SELECT_BLOCK_ROWS - 1) // SELECT_BLOCK_ROWS):
+        cand = np.empty(dim, x.dtype)
+        cand_col = np.empty(dim, np.int64)
+        tops = np.empty(k, x.dtype)
+        cols = np.empty(dim + 1, np.int64)
+        for r in range(block * SELECT_BLOCK_ROWS, min(n, (block + 1) * SELECT_BLOCK_ROWS)):
+            row = x[r]
+            nans = 0
+            for c in range(dim):
+                nans += np.isnan(row[c])
+            need = k - nans  # numbers kept besides the NaNs
+            if need <= 0:
+                out = 0
+                for c in range(dim):
+                    if out < k and np.isnan(row[c]):
+                        indices[r, out] = c
+                        out += 1
+                continue
+            if nans == 0:
+                # Each group {j, j + k, j + 2k, ...} holds its maximum, which
+                # is >= lo: at least k entries lie at or above lo.
+                for j in range(k):
+                    tops[j] = row[j]
+                for base in range(k, dim, k):
+                    for j in range(min(k, dim - base)):
+                        tops[j] = max(tops[j], row[base + j])
+                lo = tops[0]
+                hi = tops[0]
+                for j in range(1, k):
+                    lo = min(lo, tops[j])
+                    hi = max(hi, tops[j])
+            else:
+                lo, hi = -np.inf, np.inf
+            m = 0
+            for c in range(dim):  # branch-free: keep the numbers >= lo, in column order
+                cand[m] = row[c]
+                cand_col[m] = c
+                m += row[c] >= lo
+            # Bisect [lo, hi] while it still drops candidates; at least
+            # `need` of them stay at or above lo throughout.
+            for _ in range(SELECT_BISECTIONS):
+                if m == need:
+                    break
+                mid = lo + (hi - lo) * 0.5
+                if not lo < mid < hi:
+                    break
+                count = 0
+                for c in range(m):
+                    count += cand[c] >= mid
+                if count >= need:
+                    lo, kept = mid, 0
+                    for c in range(m):
+                        cand[kept] = cand[c]
+                        cand_col[kept] = cand_col[c]
+                        kept += cand[c] >= mid
+                    m = kept
+                else:
+                    hi = mid
+            if m == need and nans == 0:  # the candidates are the kept entries
+                for j in range(k):
+                    indices[r, j] = cand_col[j]
+                continue
+            if m == need:
+                t = cand[0]
+                for c in range(1, m):
+                    t = min(t, cand[c])
+            else:
+                t = _kth_smallest(cand, m, m - need)  # the need-th largest
+            above = 0
+            for c in range(dim):
+                above += row[c] > t
+            ties = need - above  # entries equal to t to keep, lowest columns first
+            out = 0
+            for c in range(dim):  # branch-free compaction of the kept columns
+                v = row[c]
+                tie = (v == t) & (ties > 0)
+                ties -= tie
+                cols[out] = c
+                out += (v > t) | np.isnan(v) | tie
+            for j in range(k):
+                indices[r, j] = cols[j]
 
 
-def linear_rows(values, indices, weight_t, bias, has_bias: bool, out) -> None:
+@njit(parallel=True, fastmath=_LINEAR_FASTMATH, cache=True)
+def linear_rows(values, indices, weight_t, bias, has_bias, out):
     """``out[N, out] = h @ W^T (+ bias)`` for the CBSR ``h = (values,
     indices)`` and ``weight_t = W^T`` (``[dim, out]``, C-contiguous): per row,
     ``k`` scaled rows of ``weight_t`` added up (``bias`` is read only when
     ``has_bias``): ``N * k * out`` multiply-adds instead of a dense GEMM's
     ``N * dim * out``."""
-    _kernels().linear_rows(values, indices, weight_t, bias, has_bias, out)
+    m = out.shape[1]
+    for i in prange(values.shape[0]):
+        row = out[i]
+        for o in range(m):
+            row[o] = bias[o] if has_bias else 0
+        for s in range(values.shape[1]):
+            v = values[i, s]
+            w = weight_t[indices[i, s]]
+            for o in range(m):
+                row[o] += v * w[o]
 
 
-def linear_input_grad_rows(grad_out, indices, weight_t, grad_values) -> None:
+@njit(parallel=True, fastmath=_LINEAR_FASTMATH, cache=True)
+def linear_input_grad_rows(grad_out, indices, weight_t, grad_values):
     """``grad_values[i, s] = grad_out[i] . weight_t[indices[i, s]]``: the
     gradient of :func:`linear_rows` w.r.t. the CBSR values, ``(grad_out @ W)``
     sampled at the CBSR pattern without computing the rest."""
-    _kernels().linear_input_grad_rows(grad_out, indices, weight_t, grad_values)
+    m = grad_out.shape[1]
+    for i in prange(indices.shape[0]):
+        g = grad_out[i]
+        for s in range(indices.shape[1]):
+            w = weight_t[indices[i, s]]
+            acc = g[0] * w[0]
+            for o in range(1, m):
+                acc += g[o] * w[o]
+            grad_values[i, s] = acc
 
 
-def linear_weight_grad_parts(grad_out, values, indices, parts) -> None:
+@njit(parallel=True, fastmath=_LINEAR_FASTMATH, cache=True)
+def linear_weight_grad_parts(grad_out, values, indices, parts):
     """``parts[p] = (grad_out^T @ h)^T`` over the ``p``-th of
     ``parts.shape[0]`` equal runs of rows (``parts[p]`` is ``[dim, out]``;
     their sum is ``W``'s gradient, transposed): one writer per part, no
     atomics."""
-    _kernels().linear_weight_grad_parts(grad_out, values, indices, parts)
+    n, k = values.shape
+    m = grad_out.shape[1]
+    chunk = (n + parts.shape[0] - 1) // parts.shape[0]
+    for p in prange(parts.shape[0]):
+        part = parts[p]
+        part[:] = 0
+        for i in range(p * chunk, min(n, (p + 1) * chunk)):
+            g = grad_out[i]
+            for s in range(k):
+                v = values[i, s]
+                acc = part[indices[i, s]]
+                for o in range(m):
+                    acc[o] += v * g[o]
