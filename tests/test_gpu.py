@@ -358,3 +358,62 @@ def test_reduce_overhead_compile_trains_as_eager(kind):
     out = step_model(x, other).clone()
     torch.testing.assert_close(out, eager(x, other), rtol=1e-4, atol=1e-5)
     assert not torch.allclose(out, eager(x, adj), rtol=1e-3, atol=1e-3)
+
+
+# One training step of every MaxK model (float32 and bf16 autocast) in a new
+# process; prints the summed disk-cache hits and misses of the package's
+# kernels and the loss and gradient sums.
+_CACHE_PROBE = r"""
+import gc, json, torch
+import pyg_maxk
+from numba.cuda.dispatcher import CUDADispatcher
+from helpers import random_edge_index
+
+ei = random_edge_index(3000, 3000, 40_000, seed=3).cuda()
+g = torch.Generator().manual_seed(0)
+x = torch.randn(3000, 64, generator=g).cuda()
+y = torch.randint(0, 7, (3000,), generator=g).cuda()
+sums = []
+for cls in (pyg_maxk.nn.MaxKGraphSAGE, pyg_maxk.nn.MaxKGCN, pyg_maxk.nn.MaxKGIN):
+    for dtype in (None, torch.bfloat16):
+        torch.manual_seed(0)
+        model = cls(64, 128, 2, 7, k=16).cuda()
+        with torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None):
+            loss = torch.nn.functional.cross_entropy(model(x, ei).float(), y)
+        loss.backward()
+        sums.append([float(loss)] + [float(p.grad.double().abs().sum()) for p in model.parameters()])
+ours = [d for d in gc.get_objects() if isinstance(d, CUDADispatcher)
+        and type(d._cache).__name__ == "PackageCache"]
+print(json.dumps({"kernels": len(ours),
+                  "hits": sum(sum(d._cache_hits.values()) for d in ours),
+                  "misses": sum(sum(d._cache_misses.values()) for d in ours),
+                  "sums": sums}))
+"""
+
+
+def _run_cache_probe(cache_dir):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    env = dict(os.environ, PYG_MAXK_KERNEL_CACHE=str(cache_dir),
+               PYTHONPATH=os.pathsep.join([str(tests.parent), str(tests),
+                                           os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", _CACHE_PROBE], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_new_process_loads_the_compiled_kernels(tmp_path):
+    cold = _run_cache_probe(tmp_path)
+    assert cold["kernels"] > 0 and cold["misses"] > 0 and cold["hits"] == 0
+    warm = _run_cache_probe(tmp_path)
+    assert warm["misses"] == 0 and warm["hits"] == cold["misses"]
+    # The loaded kernels compute what the compiled ones did (the backward's
+    # float atomics add in no fixed order: rounding apart).
+    for a, b in zip(cold["sums"], warm["sums"]):
+        assert a == pytest.approx(b, rel=1e-4)

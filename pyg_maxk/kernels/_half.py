@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 
+from ._cache import stable_identity
 from ._numba import cuda_module, simulator_enabled
 
 # Module-level name `cuda`: Numba's simulator swaps exactly this global.
@@ -100,7 +101,7 @@ def _bitcast(to_float: bool):
             return builder.bitcast(args[0], llvm_target)
         return target(source), codegen
 
-    return cast
+    return stable_identity(cast, to_float)
 
 
 @functools.lru_cache(maxsize=None)
@@ -116,7 +117,7 @@ def _fp16_to_float32():
             return builder.fpext(half, ir.FloatType())
         return types.float32(types.uint32), codegen
 
-    return fp16_to_float
+    return stable_identity(fp16_to_float)
 
 
 # -------------------------------------------------------------- simulator

@@ -72,13 +72,19 @@ def numba_status() -> NumbaStatus:
 
 
 def kernel_jit(**options):
-    """``cuda.jit(**options)`` as a kernel decorator; plain ``cuda.jit`` under
-    Numba's simulator, which takes no code-generation options (such as
-    ``max_registers``)."""
+    """``cuda.jit(**options)`` as a kernel decorator, with the package's
+    on-disk cache of compiled kernels (:mod:`._cache`); plain ``cuda.jit``
+    under Numba's simulator, which takes no code-generation options (such as
+    ``max_registers``) and compiles nothing."""
     cuda = cuda_module()
     if simulator_enabled():
         return cuda.jit
-    return cuda.jit(**options)
+
+    def compile_cached(py_func):
+        from ._cache import attach_cache
+        return attach_cache(cuda.jit(**options)(py_func))
+
+    return compile_cached
 
 
 def simulator_enabled() -> bool:

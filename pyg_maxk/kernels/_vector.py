@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 
+from ._cache import stable_identity
 from ._numba import cuda_module, simulator_enabled
 
 # Module-level name `cuda`: Numba's simulator swaps exactly this global.
@@ -90,7 +91,7 @@ def _vector_load_intrinsic(width: int):
 
         return signature, codegen
 
-    return load
+    return stable_identity(load, width)
 
 
 def _vector_red_intrinsic(width: int):
@@ -118,4 +119,4 @@ def _vector_red_intrinsic(width: int):
         @intrinsic
         def add(typingctx, array, index, a, b, c, d):
             return types.void(array, index, f32, f32, f32, f32), codegen
-    return add
+    return stable_identity(add, width)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 
+from ._cache import stable_identity
 from ._numba import cuda_module, simulator_enabled
 
 # Module-level name `cuda`: Numba's simulator swaps exactly this global.
@@ -102,7 +103,7 @@ def _redux_add():
 
         return types.uint32(types.uint32), codegen
 
-    return add_over_warp
+    return stable_identity(add_over_warp)
 
 
 @functools.lru_cache(maxsize=None)

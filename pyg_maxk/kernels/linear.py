@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 
-from ._numba import cuda_module
+from ._numba import cuda_module, kernel_jit
 from ._warp import WARP, cbsr_row_loader, warp_sync
 
 # Module-level name `cuda`: Numba's simulator swaps exactly this global.
@@ -83,7 +83,7 @@ def linear_kernel(dim: int, k: int, out_features: int, warps: int, has_bias: boo
     kk, w32, n_out = uint32(k), uint32(WARP), uint32(out_features)
     n_tiles, n_warps, tile_width = uint32(tiles), uint32(warps), uint32(TILE)
 
-    @cuda.jit
+    @kernel_jit()
     def linear(values, indices, weight_t, bias, out, num_rows):
         w_tile = cuda.shared.array(tile_floats, float32)
         stage_val = cuda.shared.array(stage_shape, float32)

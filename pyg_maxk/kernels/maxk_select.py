@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 import math
 
-from ._numba import cuda_module
+from ._numba import cuda_module, kernel_jit
 
 # Module-level name `cuda`: Numba's simulator swaps exactly this global.
 cuda = cuda_module()
@@ -85,7 +85,7 @@ def select_kernel(dim: int, k: int, rows_per_block: int, redux: bool = False,
     kk, d32, w32, zero, one = uint32(k), uint32(dim), uint32(WARP), uint32(0), uint32(1)
     rpb = uint32(rows_per_block)
 
-    @cuda.jit
+    @kernel_jit()
     def maxk_select(x, x_bits, values, indices, num_rows):
         lane = uint32(cuda.threadIdx.x) % w32
         warp = uint32(cuda.threadIdx.x) // w32
@@ -196,7 +196,7 @@ def densify_kernel(dim: int, k: int, rows_per_block: int, bits16: bool = False):
     element = int16 if bits16 else float32
     zero = element(0)
 
-    @cuda.jit
+    @kernel_jit()
     def densify(values, indices, dense, num_rows):
         row_buf = cuda.shared.array((rows_per_block, dim), element)
         val = cuda.local.array(ahead, element)  # registers after unrolling

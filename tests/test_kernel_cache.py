@@ -1,0 +1,100 @@
+"""The on-disk cache of compiled CUDA kernels (:mod:`pyg_maxk.kernels._cache`).
+
+Without a GPU nothing compiles, but everything that decides whether a new
+process finds an entry can be checked: a kernel's closure (its part of the
+entry's key) hashes the same in every process, the directory follows the
+kernel sources, and the switches work. The GPU test that a second process
+loads the kernels instead of compiling them is in ``test_gpu.py``.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pyg_maxk.kernels import _cache
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Builds one kernel of every factory (not compiled: no GPU needed) and prints,
+# per kernel, the cache it got and the hash numba-cuda gives its closure.
+PROBE = r"""
+import hashlib, json
+from numba.cuda.serialize import dumps
+from pyg_maxk.kernels import linear, maxk_select, spgemm
+
+kernels = {
+    "spgemm": spgemm.spgemm_kernel(256, 32, 256, True, width=4),
+    "spgemm-pairs-bf16": spgemm.spgemm_kernel(256, 16, 256, True, pairs=True, half="bf16"),
+    "spgemm-fp16": spgemm.spgemm_kernel(128, 8, 256, False, scaled=True, width=2, half="fp16"),
+    "sspmm": spgemm.sspmm_kernel(256, 32, 256, True),
+    "sddmm": spgemm.sddmm_kernel(256, 32, 256, width=2),
+    "select": maxk_select.select_kernel(256, 32, 4, redux=True),
+    "select-bf16": maxk_select.select_kernel(256, 32, 4, half="bf16"),
+    "densify": maxk_select.densify_kernel(256, 32, 4, bits16=True),
+    "linear": linear.linear_kernel(256, 32, 64, 4, True),
+}
+out = {}
+for name, kernel in kernels.items():
+    cells = tuple(c.cell_contents for c in kernel.py_func.__closure__ or ())
+    out[name] = [type(kernel._cache).__name__, kernel._cache.cache_path,
+                 hashlib.sha256(dumps(cells)).hexdigest()]
+print(json.dumps(out))
+"""
+
+
+def probe(cache_env: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env.update(PYG_MAXK_KERNEL_CACHE=cache_env, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_kernel_keys_are_the_same_in_every_process(tmp_path):
+    first, second = probe(str(tmp_path)), probe(str(tmp_path))
+    assert first == second  # the closure hashes included: a new process finds the entries
+    for cache_class, path, _ in first.values():
+        assert cache_class == "PackageCache"
+        assert Path(path).parent == tmp_path and Path(path).name.startswith("kernels-")
+    hashes = [h for _, _, h in first.values()]
+    assert len(set(hashes)) == len(hashes)  # each specialisation has its own key
+
+
+def test_cache_can_be_switched_off(tmp_path):
+    for _, path, _ in probe("0").values():
+        assert path is None  # numba-cuda's NullCache: compiled in every process
+
+
+def test_unwritable_root_leaves_kernels_uncached(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    for cache_class, path, _ in probe(str(blocker / "cache")).values():
+        assert cache_class == "NullCache" and path is None
+
+
+def test_directory_follows_every_kernel_module(tmp_path):
+    copy = tmp_path / "kernels"
+    shutil.copytree(Path(_cache.__file__).parent, copy,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    before = _cache.sources_digest(copy)
+    assert _cache.sources_digest(copy) == before
+    helper = copy / "_vector.py"  # not a kernel's own file: a file stamp would miss it
+    helper.write_text(helper.read_text() + "\n# changed\n")
+    assert _cache.sources_digest(copy) != before
+
+
+@pytest.mark.parametrize("value, expected", [("0", None), ("", None), ("/x/y", Path("/x/y"))])
+def test_cache_root_from_environment(monkeypatch, value, expected):
+    monkeypatch.setenv(_cache.CACHE_ENV, value)
+    assert _cache.cache_root() == expected
+
+
+def test_default_cache_root(monkeypatch, tmp_path):
+    monkeypatch.delenv(_cache.CACHE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert _cache.cache_root() == tmp_path / "pyg_maxk"
