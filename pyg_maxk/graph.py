@@ -439,6 +439,8 @@ class CSRGraph:
         if normalization not in NORMALIZATIONS:
             raise ValueError(f"Unknown normalization {normalization!r}; "
                              f"choose one of {NORMALIZATIONS}")
+        if edge_weight is not None:
+            _check_same_device(adj, edge_weight)
         if edge_weight is not None and torch.is_grad_enabled() and edge_weight.requires_grad:
             # Learnable edge values: the cached structure, values per call.
             return graph_with_edge_values(adj, size, edge_weight, None, normalization,
@@ -472,6 +474,13 @@ def _build_operands_eagerly(graph: CSRGraph, max_edges: int) -> GraphOperands:
 def _plain(t: Tensor) -> Tensor:
     """``t`` as a plain tensor (strips :class:`EdgeIndex`)."""
     return t.as_tensor() if _is_edge_index_type(t) else t
+
+
+def _check_same_device(adj, edge_weight: Tensor) -> None:
+    device = adj.device() if callable(getattr(adj, "device", None)) else adj.device
+    if edge_weight.device != device:
+        raise ValueError(f"edge_weight is on {edge_weight.device} but the adjacency on "
+                         f"{device}; move both to one device")
 
 
 def _check_bounds(lo: int, hi: int, bound: int, what: str) -> None:

@@ -276,7 +276,7 @@ def test_gradcheck_of_the_aggregation_in_its_edge_values(backend, split_rows):
     """float64 ``gradcheck`` of the CBSR aggregation in its edge values and
     CBSR values (the SDDMM and the SSpMM), with split rows."""
     from pyg_maxk.ops import _library as lib
-    ei = _edges()
+    ei = _edges().cpu()  # both backends here are CPU ones, on every machine
     graph = pyg_maxk.CSRGraph.from_adj(ei, (N, N), edge_weight=torch.rand(ei.size(1)),
                                        dtype=torch.float64)
     ops = graph.operands(K)

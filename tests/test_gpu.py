@@ -365,7 +365,7 @@ def test_reduce_overhead_compile_trains_as_eager(kind):
 # kernels and the loss and gradient sums.
 _CACHE_PROBE = r"""
 import gc, json, torch
-import pyg_maxk
+import pyg_maxk, pyg_maxk.nn
 from numba.cuda.dispatcher import CUDADispatcher
 from helpers import random_edge_index
 

@@ -117,6 +117,9 @@ def test_errors():
         CSRGraph.from_adj([[0, 1], [1, 0]], (2, 2))
     with pytest.raises(ValueError, match="normalization"):
         CSRGraph.from_adj(torch.zeros(2, 1, dtype=torch.long), (1, 1), normalization="max")
+    with pytest.raises(ValueError, match="edge_weight is on meta"):
+        CSRGraph.from_adj(torch.zeros(2, 1, dtype=torch.long), (1, 1),
+                          edge_weight=torch.ones(1, device="meta"))
 
 
 def test_build_cost_one_million_edges(capsys):
