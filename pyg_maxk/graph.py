@@ -81,10 +81,9 @@ class WorkSchedule:
 
 
 class GraphOperands(NamedTuple):
-    """Every tensor the aggregation ops read, for one ``k``: what the custom
-    ops take as their graph arguments (so that ``torch.compile`` sees plain
-    tensors), built once per graph and ``k`` bucket by
-    :meth:`CSRGraph.operands`.
+    """Every tensor the aggregation ops read, for one ``k``: what the
+    backends' implementations take (:mod:`pyg_maxk.ops`). The custom ops
+    take it packed (:class:`PackedGraph`); :func:`unpack` gives it back.
 
     ``colptr``, ``row_t`` and ``weight_t`` (the graph grouped by source: the
     CPU kernels' backward) exist on CPU graphs only.
@@ -101,6 +100,117 @@ class GraphOperands(NamedTuple):
     colptr: Optional[Tensor]      # [num_src + 1]
     row_t: Optional[Tensor]       # [E]
     weight_t: Optional[Tensor]    # [E] or None
+
+
+class PackedGraph(NamedTuple):
+    """:class:`GraphOperands` as the custom ops take them: the small integer
+    arrays (row pointers, the work schedule) in one byte buffer, the edge
+    arrays (``[E]``: never copied) and the edge values (which may be
+    learnable) apart.
+
+    Every tensor crossing a compiled graph's boundary costs host time on each
+    call (a guard, a CUDA-graph input check, a tensor saved for the
+    backward), and small graphs are host-bound: one buffer instead of seven
+    arrays. ``layout`` holds ``(numel, dtype code)`` per field of
+    :data:`INDEX_FIELDS` (``numel = -1``: absent); each array starts at a
+    multiple of :data:`PACK_ALIGN` bytes, so that its view keeps its type.
+    """
+    index: Tensor                 # uint8 [bytes]
+    col: Tensor
+    weight: Optional[Tensor]
+    row_scale: Optional[Tensor]
+    row_t: Optional[Tensor]
+    weight_t: Optional[Tensor]
+    layout: List[int]
+
+    def tensors(self) -> List[Tensor]:
+        return [t for t in self[:-1] if t is not None]
+
+
+#: The fields of :class:`GraphOperands` in :attr:`PackedGraph.index`, in order.
+INDEX_FIELDS = ("rowptr", "item_row", "item_start", "item_end", "item_split",
+                "zeroed_rows", "colptr")
+_PACKED_DTYPES = (torch.int32, torch.int64, torch.uint8)
+PACK_ALIGN = 16
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // PACK_ALIGN) * PACK_ALIGN
+
+
+def pack(g: GraphOperands) -> PackedGraph:
+    """``g`` with its :data:`INDEX_FIELDS` copied into one buffer
+    (:func:`unpack` gives views of it)."""
+    arrays = [getattr(g, name) for name in INDEX_FIELDS]
+    layout: List[int] = []
+    total = 0
+    for a in arrays:
+        if a is None:
+            layout += [-1, 0]
+        else:
+            layout += [a.numel(), _PACKED_DTYPES.index(a.dtype)]
+            total += _padded(a.numel() * a.element_size())
+    buffer = torch.zeros(total, dtype=torch.uint8, device=g.col.device)
+    offset = 0
+    for a in arrays:
+        if a is not None:
+            nbytes = a.numel() * a.element_size()
+            buffer[offset:offset + nbytes] = a.contiguous().view(-1).view(torch.uint8)
+            offset += _padded(nbytes)
+    return PackedGraph(buffer, g.col, g.weight, g.row_scale, g.row_t, g.weight_t, layout)
+
+
+def unpack(index: Tensor, col: Tensor, weight: Optional[Tensor], row_scale: Optional[Tensor],
+           row_t: Optional[Tensor], weight_t: Optional[Tensor],
+           layout: List[int]) -> GraphOperands:
+    """The :class:`GraphOperands` of a :class:`PackedGraph`'s fields: views of
+    ``index`` (found again, not sliced, for a buffer of a live graph)."""
+    views = _known_views(index)
+    if views is None:
+        views, offset = [], 0
+        for numel, code in zip(layout[::2], layout[1::2]):
+            if numel < 0:
+                views.append(None)
+                continue
+            dtype = _PACKED_DTYPES[code]
+            nbytes = numel * dtype.itemsize
+            views.append(index[offset:offset + nbytes].view(dtype))
+            offset += _padded(nbytes)
+    rowptr, item_row, item_start, item_end, item_split, zeroed_rows, colptr = views
+    return GraphOperands(rowptr, col, weight, row_scale, item_row, item_start, item_end,
+                         item_split, zeroed_rows, colptr, row_t, weight_t)
+
+
+class _Views:
+    """The views of one packed buffer, owned by its graph (see
+    :func:`_known_views`)."""
+    __slots__ = ("index", "views", "__weakref__")
+
+    def __init__(self, index: Tensor, views: Tuple[Optional[Tensor], ...]) -> None:
+        self.index, self.views = index, views
+
+
+#: ``id(buffer) -> weakref(_Views)``: an entry dies with its graph (its views
+#: hold the buffer, so the registry holds no strong reference).
+_VIEWS: Dict[int, "weakref.ref[_Views]"] = {}
+
+
+def _register_views(packed: PackedGraph, g: GraphOperands) -> _Views:
+    entry = _Views(packed.index, tuple(getattr(g, name) for name in INDEX_FIELDS))
+    key = id(packed.index)
+
+    def forget(ref):
+        if _VIEWS.get(key) is ref:
+            del _VIEWS[key]
+
+    _VIEWS[key] = weakref.ref(entry, forget)
+    return entry
+
+
+def _known_views(index: Tensor) -> Optional[Tuple[Optional[Tensor], ...]]:
+    ref = _VIEWS.get(id(index))
+    entry = ref() if ref is not None else None
+    return entry.views if entry is not None and entry.index is index else None
 
 
 class CSRGraph:
@@ -148,7 +258,8 @@ class CSRGraph:
         self._torch_csr: Dict[Tuple[torch.dtype, bool], Tensor] = {}
         self._schedules: Dict[int, WorkSchedule] = {}
         self._transposed: Optional[Tuple[Tensor, Tensor, Optional[Tensor]]] = None
-        self._operands: Dict[int, GraphOperands] = {}
+        self._operands: Dict[int, PackedGraph] = {}
+        self._views: Dict[int, _Views] = {}  # keeps unpack()'s shortcut alive
         self._static = False  # operands marked as static inputs (prepare)
         self._transpose_order: Optional[Tensor] = None
         #: For a graph built from an ``edge_index``: the position in that
@@ -277,6 +388,7 @@ class CSRGraph:
         graph = CSRGraph(self.rowptr, self.col, weight, self.size, normalization)
         graph.gcn_options = self.gcn_options
         graph._schedules = self._schedules
+        graph._views = self._views
         if self._transposed is not None:
             colptr, row_t, _ = self._transposed
             # Read by the CPU backward only, which takes no gradient through it.
@@ -284,15 +396,16 @@ class CSRGraph:
                                  weight.detach().index_select(0, self._transpose_order))
             graph._transpose_order = self._transpose_order
         for max_edges, ops in self._operands.items():
-            weight_t = None if ops.colptr is None else graph._transposed[2]
+            weight_t = None if ops.row_t is None else graph._transposed[2]
             graph._operands[max_edges] = ops._replace(weight=weight, row_scale=None,
                                                       weight_t=weight_t)
         return graph
 
-    def operands(self, k: int) -> GraphOperands:
-        """The tensors every aggregation op reads at ``k`` entries per row
-        (:class:`GraphOperands`), built on the first call per work-item size
-        and cached. Building them costs host syncs (the schedule's sizes
+    def operands(self, k: int) -> PackedGraph:
+        """The tensors every aggregation op reads at ``k`` entries per row,
+        packed as the custom ops take them (:class:`PackedGraph`;
+        :func:`unpack` gives the :class:`GraphOperands`), built on the first
+        call per work-item size and cached. Building them costs host syncs (the schedule's sizes
         depend on the degrees): under ``torch.compile`` a graph must be
         prepared (:meth:`prepare`, :class:`~pyg_maxk.transforms.ToCSRGraph`)
         for the ``k`` of its layers, else the build breaks the graph."""
@@ -318,12 +431,11 @@ class CSRGraph:
 
     def _mark_static(self) -> None:
         for operands in self._operands.values():
-            for t in operands:
-                if t is not None:
-                    torch._dynamo.mark_static_address(t)
+            for t in operands.tensors():
+                torch._dynamo.mark_static_address(t)
         self._static = True
 
-    def _build_operands(self, max_edges: int) -> GraphOperands:
+    def _build_operands(self, max_edges: int) -> PackedGraph:
         schedule = self.schedule(max_edges)
         colptr = row_t = weight_t = None
         if self.device.type == "cpu":
@@ -331,8 +443,10 @@ class CSRGraph:
         operands = GraphOperands(self.rowptr, self.kernel_col(), self.weight, self.row_scale,
                                  schedule.row, schedule.start, schedule.end, schedule.split,
                                  schedule.zeroed_rows, colptr, row_t, weight_t)
-        self._operands[max_edges] = operands
-        return operands
+        packed = pack(operands)
+        self._views[max_edges] = _register_views(packed, operands)
+        self._operands[max_edges] = packed
+        return packed
 
     def kernel_col(self) -> Tensor:
         """``col`` as int32, the type the kernels read."""
@@ -463,7 +577,7 @@ class CSRGraph:
 
 
 @torch.compiler.disable
-def _build_operands_eagerly(graph: CSRGraph, max_edges: int) -> GraphOperands:
+def _build_operands_eagerly(graph: CSRGraph, max_edges: int) -> PackedGraph:
     # The schedule's sizes depend on the degrees: data-dependent, so built
     # outside any compiled graph (a graph break where the graph was not
     # prepared for this k).

@@ -191,7 +191,7 @@ def test_to_csr_graph_moves_with_the_data():
     moved = copy.copy(data).to(DEVICE)
     assert moved.adj_t.device.type == DEVICE
     assert moved.adj_t.is_prepared(K) and all(  # still static inputs for CUDA graphs
-        getattr(t, "_dynamo_static_input_type", None) for t in moved.adj_t.operands(K)
+        getattr(t, "_dynamo_static_input_type", None) for t in moved.adj_t.operands(K).tensors()
         if t is not None)
     model = _model("sage")
     torch.testing.assert_close(model(moved.x, moved.adj_t), model(x, ei), rtol=TOL[0],

@@ -398,7 +398,7 @@ def check_half_kernels(graph, dim, k, dtype, seed=0, h=None):
     rounding of a float32 sum, the backward kernel also on a half gradient,
     the edge values' gradient (float32) within float32 error, densify bit
     for bit."""
-    from pyg_maxk.graph import GraphOperands
+    from pyg_maxk.graph import unpack
     from pyg_maxk.ops import _library as lib, aggregation_dtype, torch_ops
 
     h = random_cbsr(graph.num_src, dim, k, seed, dtype) if h is None else h
@@ -431,7 +431,7 @@ def check_half_kernels(graph, dim, k, dtype, seed=0, h=None):
     poison_allocator()
     grad_weight = lib.sddmm(*operands, h.values, h.indices, grad_out, "numba")
     assert grad_weight.dtype == torch.float32
-    ref = torch_ops.sddmm(GraphOperands(*operands), h.values.double(), h.indices,
+    ref = torch_ops.sddmm(unpack(*operands), h.values.double(), h.indices,
                           grad_out.double())
     torch.testing.assert_close(grad_weight.double(), ref, rtol=1e-5, atol=2e-4)
 

@@ -14,7 +14,7 @@ In eager mode an op is called without the dispatcher (:class:`KernelOp`).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from ..cbsr import index_dtype_for
 from .. import dispatch
 from ..dispatch import choose
-from ..graph import GraphOperands
+from ..graph import PackedGraph, unpack
 from . import torch_ops
 from ._common import aggregation_dtype
 
@@ -156,18 +156,18 @@ maxk_select = KernelOp("maxk_select", _maxk_select, _maxk_select_fake,
 
 
 # ----------------------------------------------------------- aggregation
-#: The graph arguments of :data:`spgemm` and :data:`sspmm`, in order
-#: (:class:`~pyg_maxk.graph.GraphOperands`).
-NUM_GRAPH_ARGS = len(GraphOperands._fields)
+#: The graph arguments of :data:`spgemm`, :data:`sspmm` and :data:`sddmm`, in
+#: order (:class:`~pyg_maxk.graph.PackedGraph`).
+NUM_GRAPH_ARGS = len(PackedGraph._fields)
+#: Position of the edge values and of the row scale among the graph arguments.
+_WEIGHT_ARG = PackedGraph._fields.index("weight")
+_ROW_SCALE_ARG = PackedGraph._fields.index("row_scale")
 
 
-def _spgemm(rowptr: Tensor, col: Tensor, weight: Optional[Tensor], row_scale: Optional[Tensor],
-            item_row: Tensor, item_start: Tensor, item_end: Tensor, item_split: Tensor,
-            zeroed_rows: Tensor, colptr: Optional[Tensor], row_t: Optional[Tensor],
-            weight_t: Optional[Tensor], values: Tensor, indices: Tensor, num_dst: int,
-            dim: int, backend: str) -> Tensor:
-    g = GraphOperands(rowptr, col, weight, row_scale, item_row, item_start, item_end,
-                      item_split, zeroed_rows, colptr, row_t, weight_t)
+def _spgemm(index: Tensor, col: Tensor, weight: Optional[Tensor], row_scale: Optional[Tensor],
+            row_t: Optional[Tensor], weight_t: Optional[Tensor], layout: List[int],
+            values: Tensor, indices: Tensor, num_dst: int, dim: int, backend: str) -> Tensor:
+    g = unpack(index, col, weight, row_scale, row_t, weight_t, layout)
     return _impls("aggregate", backend, values, dim=dim, k=values.size(1)).spgemm(
         g, values, indices, num_dst, dim)
 
@@ -179,27 +179,24 @@ def _spgemm_fake(*args):
                             dtype=aggregation_dtype(values.dtype, weight, row_scale))
 
 
-#: Position of the edge values and of the row scale among the graph arguments.
-_WEIGHT_ARG = GraphOperands._fields.index("weight")
-_ROW_SCALE_ARG = GraphOperands._fields.index("row_scale")
-
-
 def _spgemm_setup(ctx, inputs, output) -> None:
     graph, (values, indices, _, _, backend) = inputs[:NUM_GRAPH_ARGS], inputs[NUM_GRAPH_ARGS:]
     ctx.num_src = values.size(0)
     ctx.values_dtype = values.dtype
     ctx.backend = backend
-    ctx.present = [t is not None for t in graph]
+    ctx.layout = graph[-1]
+    tensors = graph[:-1]
+    ctx.present = [t is not None for t in tensors]
     weight = graph[_WEIGHT_ARG]
     # The edge values' gradient (an SDDMM) needs the CBSR values too.
     ctx.weight_grad = weight is not None and weight.requires_grad
     ctx.save_for_backward(indices, values if ctx.weight_grad else None,
-                          *[t for t in graph if t is not None])
+                          *[t for t in tensors if t is not None])
 
 
 def _spgemm_backward(ctx, grad_out):
     indices, values, *present = ctx.saved_tensors
-    graph = [present.pop(0) if p else None for p in ctx.present]
+    graph = [present.pop(0) if p else None for p in ctx.present] + [ctx.layout]
     grad_out = grad_out.contiguous()
     grad_values = grad_weight = None
     if ctx.needs_input_grad[NUM_GRAPH_ARGS]:
@@ -213,13 +210,10 @@ def _spgemm_backward(ctx, grad_out):
     return (*grads, grad_values, None, None, None, None)
 
 
-def _sspmm(rowptr: Tensor, col: Tensor, weight: Optional[Tensor], row_scale: Optional[Tensor],
-           item_row: Tensor, item_start: Tensor, item_end: Tensor, item_split: Tensor,
-           zeroed_rows: Tensor, colptr: Optional[Tensor], row_t: Optional[Tensor],
-           weight_t: Optional[Tensor], indices: Tensor, grad_out: Tensor, num_src: int,
-           backend: str) -> Tensor:
-    g = GraphOperands(rowptr, col, weight, row_scale, item_row, item_start, item_end,
-                      item_split, zeroed_rows, colptr, row_t, weight_t)
+def _sspmm(index: Tensor, col: Tensor, weight: Optional[Tensor], row_scale: Optional[Tensor],
+           row_t: Optional[Tensor], weight_t: Optional[Tensor], layout: List[int],
+           indices: Tensor, grad_out: Tensor, num_src: int, backend: str) -> Tensor:
+    g = unpack(index, col, weight, row_scale, row_t, weight_t, layout)
     return _impls("aggregate", backend, grad_out, dim=grad_out.size(1),
                   k=indices.size(1)).sspmm(g, indices, grad_out, num_src)
 
@@ -229,13 +223,10 @@ def _sspmm_fake(*args):
     return grad_out.new_empty(num_src, indices.size(1))
 
 
-def _sddmm(rowptr: Tensor, col: Tensor, weight: Optional[Tensor], row_scale: Optional[Tensor],
-           item_row: Tensor, item_start: Tensor, item_end: Tensor, item_split: Tensor,
-           zeroed_rows: Tensor, colptr: Optional[Tensor], row_t: Optional[Tensor],
-           weight_t: Optional[Tensor], values: Tensor, indices: Tensor, grad_out: Tensor,
-           backend: str) -> Tensor:
-    g = GraphOperands(rowptr, col, weight, row_scale, item_row, item_start, item_end,
-                      item_split, zeroed_rows, colptr, row_t, weight_t)
+def _sddmm(index: Tensor, col: Tensor, weight: Optional[Tensor], row_scale: Optional[Tensor],
+           row_t: Optional[Tensor], weight_t: Optional[Tensor], layout: List[int],
+           values: Tensor, indices: Tensor, grad_out: Tensor, backend: str) -> Tensor:
+    g = unpack(index, col, weight, row_scale, row_t, weight_t, layout)
     return _impls("aggregate", backend, grad_out, dim=grad_out.size(1),
                   k=indices.size(1)).sddmm(g, values, indices, grad_out)
 
