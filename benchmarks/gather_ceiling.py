@@ -31,7 +31,7 @@ import torch
 
 
 import pyg_maxk
-from pyg_maxk.kernels import cuda_module
+from pyg_maxk.kernels import cuda_module, geometry
 from pyg_maxk.kernels._warp import WARP
 from pyg_maxk.kernels._vector import vector_load
 from pyg_maxk.kernels.spgemm import (neighbour_lanes, reads_pairs, spgemm_unroll,
@@ -115,7 +115,7 @@ def main(argv=None):
     nodes, ks, repeats = graph.num_dst, args.ks, args.repeats
     col = graph.kernel_col()
     run = numba_ops.launcher()
-    threads = numba_ops.block_threads()
+    threads = geometry.block_threads()
     blocks = run.max_blocks(device, threads)
     out = torch.empty(blocks * threads, device=device)
     x = torch.randn(nodes, args.dim, device=device)

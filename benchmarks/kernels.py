@@ -196,8 +196,8 @@ def time_backend(backend: str, graph, x, grad, k, ref, a_t, device, repeats) -> 
     assert row["sspmm_rel_error"] < tol, row
     row["maxk_sspmm"] = timed(lambda: lib.sspmm(*operands, h.indices, grad, nodes, backend),
                                 device, repeats=repeats)
-    from pyg_maxk.ops import numba_ops
-    if x.dtype == torch.float32 and (backend == "cpu" or numba_ops.supports_linear(dim, k)):
+    from pyg_maxk.kernels import geometry
+    if x.dtype == torch.float32 and (backend == "cpu" or geometry.takes_linear(dim, k)):
         row.update(time_linear(h, dim, device, repeats, backend))
     return row
 

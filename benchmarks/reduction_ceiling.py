@@ -28,7 +28,8 @@ import torch
 
 
 import pyg_maxk
-from pyg_maxk.kernels import cuda_module
+from pyg_maxk.graph import unpack
+from pyg_maxk.kernels import cuda_module, geometry
 from pyg_maxk.kernels._vector import vector_atomic_add
 from pyg_maxk.kernels.spgemm import sspmm_vector_width
 from pyg_maxk.ops import numba_ops
@@ -71,7 +72,7 @@ def main(argv=None):
     col = graph.kernel_col()
     out_degree = torch.bincount(col.long(), minlength=nodes).float()
     run = numba_ops.launcher()
-    threads = numba_ops.block_threads()
+    threads = geometry.block_threads()
     blocks = run.max_blocks(device, threads)
     grad_out = torch.randn(nodes, args.dim, device=device)
     a_t = graph.torch_csr(torch.float32).t().to_sparse_csr()
@@ -81,7 +82,7 @@ def main(argv=None):
     rows = []
     for k in ks:
         h = pyg_maxk.maxk(torch.randn(nodes, args.dim, device=device), k)
-        operands = graph.operands(k)
+        operands = unpack(*graph.operands(k))
         sspmm_ms = time_ms(lambda: numba_ops.sspmm(operands, h.indices, grad_out, nodes),
                            device, warmup=warmup, repeats=repeats)["median_ms"]
         width = sspmm_vector_width(k)

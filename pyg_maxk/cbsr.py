@@ -88,10 +88,12 @@ class CBSR:
         return self.indices.long()
 
     def to_dense(self) -> Tensor:
-        """The dense ``[N, dim]`` matrix; differentiable w.r.t. ``values``
-        (see :func:`pyg_maxk.ops.to_dense`)."""
-        from .ops import to_dense  # lazy: the ops import this module
-        return to_dense(self)
+        """The dense ``[N, dim]`` matrix, differentiable w.r.t. ``values``: a
+        zero-fill and a scatter in torch. :func:`pyg_maxk.ops.to_dense`
+        gives the same matrix through the backend's densify kernel (what
+        the layers use)."""
+        return self.values.new_zeros(self.num_rows, self.dim).scatter(
+            1, self.long_indices(), self.values)
 
     def add_to(self, dense: Tensor, alpha: Optional[Tensor | float] = None,
                inplace: bool = False) -> Tensor:

@@ -222,8 +222,8 @@ def _linear_pays(dim: int, k: int) -> bool:
 def _linear_kernel_takes(dtype: torch.dtype, dim: int, k: int, uniform: bool) -> bool:
     """Whether the Numba linear kernel (float32 throughout, a ``W^T`` tile in
     shared memory) takes this input."""
-    from .ops import numba_ops
-    return uniform and dtype == torch.float32 and numba_ops.supports_linear(dim, k)
+    from .kernels import geometry
+    return uniform and dtype == torch.float32 and geometry.takes_linear(dim, k)
 
 
 def _numba_cannot(op: str, device_type: str, dtype: torch.dtype, dim: int, k: int) -> str:
@@ -242,15 +242,15 @@ def _numba_cannot(op: str, device_type: str, dtype: torch.dtype, dim: int, k: in
                 f"and data to a GPU, use backend 'auto' or 'cpu' on the CPU, or set "
                 f"NUMBA_ENABLE_CUDASIM=1 (before the first import of numba) to run the "
                 f"kernels in Numba's simulator.")
-    from .ops import numba_ops
+    from .kernels import geometry
 
     if op == "select" and dim > MAX_SELECT_DIM:
         return (f"the select kernel takes rows up to {MAX_SELECT_DIM} wide, got {dim}. "
                 f"Use backend 'auto' (torch.topk there) or 'torch'.")
-    if op == "densify" and not numba_ops.supports_to_dense(dim):
+    if op == "densify" and not geometry.takes_densify(dim):
         return (f"rows of width {dim} do not fit the densify kernel's shared memory. "
                 f"Use backend 'auto' (a scatter there) or 'torch'.")
-    if op == "aggregate" and not numba_ops.supports(k, dim):
+    if op == "aggregate" and not geometry.takes_aggregation(k, dim):
         return (f"rows of width {dim} (k={k}) do not fit the SpGEMM's shared memory. "
                 f"Use backend 'auto' (torch.sparse there) or 'torch'.")
     return ""

@@ -9,6 +9,7 @@ import torch
 
 import pyg_maxk
 from pyg_maxk import CSRGraph
+from pyg_maxk.kernels import geometry
 from pyg_maxk.ops import numba_ops
 
 from helpers import FORMS, adjacency, assert_same_as_stock, dense_reference, random_edge_index
@@ -63,7 +64,7 @@ def test_cbsr_linear_kernel_many_rows(monkeypatch, dim, out_features):
     pyg_maxk.dispatch.clear_decisions()
     for k in sorted({1, 7, 8, 32, dim // 2}):
         check_cbsr_linear(random_cbsr(150_000, dim, k, seed=k), out_features, bias=k % 2 == 1,
-                          seed=k, expect_kernel=numba_ops.supports_linear(dim, k),
+                          seed=k, expect_kernel=geometry.takes_linear(dim, k),
                           forward_tol=1e-4)
 
 
@@ -129,7 +130,7 @@ def test_maxk_select_counts_agree_with_and_without_redux(dim, k):
 def test_to_dense_kernel_power_law_rows(dim, dtype):
     # 3072 is the widest row the kernel's shared memory takes; 3073 is an
     # error under the forced numba backend and a scatter under "auto".
-    fits = numba_ops.supports_to_dense(dim)
+    fits = geometry.takes_densify(dim)
     for k in sorted({1, 32, dim // 2, dim - 1}):
         h = random_cbsr(20_000, dim, k, seed=k, dtype=dtype)
         values = h.values.clone().requires_grad_()

@@ -10,6 +10,7 @@ import torch
 
 import pyg_maxk
 from pyg_maxk import CBSR, CSRGraph
+from pyg_maxk.kernels import geometry
 from pyg_maxk.ops import numba_ops
 
 from helpers import (FORMS, adjacency, assert_same_as_stock, assert_same_selection,
@@ -234,7 +235,7 @@ def test_cbsr_linear_kernel_against_float64(linear_kernel_everywhere, rows, dim,
 def test_cbsr_linear_kernel_takes_float32_within_shared_memory_only(linear_kernel_everywhere):
     from pyg_maxk.kernels.linear import linear_fits
     assert linear_fits(368, 32) and not linear_fits(369, 32)
-    assert not numba_ops.supports_linear(400, 3)  # a W^T tile of 50 KiB: the dense path
+    assert not geometry.takes_linear(400, 3)  # a W^T tile of 50 KiB: the dense path
     check_cbsr_linear(random_cbsr(4, 400, 3), 5, True, expect_kernel=False)
     h = random_cbsr(6, 30, 4, dtype=torch.float64)
     with pytest.raises(pyg_maxk.BackendError, match="float64"):  # the backend takes none
@@ -278,7 +279,7 @@ def test_features_beyond_32_bit_offsets_are_a_clear_error():
 def test_too_wide_for_shared_memory_raises_when_forced_and_falls_back_under_auto():
     from pyg_maxk.kernels.spgemm import SHARED_BYTES
     dim = SHARED_BYTES // 4 + 1
-    assert not numba_ops.supports(3, dim)
+    assert not geometry.takes_aggregation(3, dim)
     ei = random_edge_index(6, 5, 12, seed=4).to(DEVICE)
     graph = CSRGraph.from_adj(ei, (6, 5))
     h = random_cbsr(6, dim, 3)
@@ -357,7 +358,7 @@ def test_to_dense_kernel_writes_whole_rows(num_rows, dim, k):
 def test_to_dense_too_wide_for_the_kernel_raises_when_forced():
     from pyg_maxk.kernels.maxk_select import DENSIFY_SHARED_BYTES, densify_fits
     dim = DENSIFY_SHARED_BYTES // 4 + 1
-    assert not densify_fits(dim, 1) and not numba_ops.supports_to_dense(dim)
+    assert not densify_fits(dim, 1) and not geometry.takes_densify(dim)
     h = random_cbsr(3, dim, 5)
     with pyg_maxk.use_backend("numba"), pytest.raises(pyg_maxk.BackendError,
                                                       match="densify kernel"):

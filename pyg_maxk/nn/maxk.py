@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from ..cbsr import CBSR
-from ..ops import check_k, maxk
+from ..ops import check_k, maxk, to_dense
 
 
 class MaxK(torch.nn.Module):
@@ -36,7 +36,7 @@ class MaxK(torch.nn.Module):
 
     def forward(self, x: Tensor) -> Union[Tensor, CBSR]:
         out = maxk(x, self.k, dropout=self.dropout, training=self.training)
-        return out if self.sparse_output else out.to_dense()
+        return out if self.sparse_output else to_dense(out)
 
     def extra_repr(self) -> str:
         extra = f"k={self.k}"

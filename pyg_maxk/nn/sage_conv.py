@@ -9,7 +9,7 @@ from torch_geometric.nn.dense.linear import Linear, is_uninitialized_parameter
 from torch_geometric.typing import Adj, Size
 
 from ..cbsr import CBSR
-from ..ops import cbsr_linear
+from ..ops import cbsr_linear, to_dense
 from .conv_base import Features, MaxKConv, PairFeatures
 
 
@@ -114,7 +114,7 @@ class MaxKSAGEConv(MaxKConv):
         w_l, w_r = self.lin_l.weight, self.lin_r.weight
         if is_uninitialized_parameter(w_l) or is_uninitialized_parameter(w_r):
             # Lazy in_channels=-1: the Linear modules size their weights here.
-            return self.lin_l(agg) + self.lin_r(h.to_dense())
+            return self.lin_l(agg) + self.lin_r(to_dense(h))
         return cbsr_linear(h, w_r, self.lin_l.bias, dense=agg, dense_weight=w_l)
 
     def __repr__(self) -> str:

@@ -27,21 +27,16 @@ from torch import Tensor
 
 from ..cbsr import index_dtype_for
 from ..graph import PAIRS_PER_ITEM, GraphOperands, max_edges_per_item  # noqa: F401
+from ..kernels import geometry
 from ..kernels._warp import WARP
-from ..kernels.linear import (LINEAR_WARPS, column_tiles, linear_blocks, linear_fits,
-                              linear_kernel, linear_shared_bytes)
-from ..kernels.maxk_select import ROWS_PER_BLOCK, densify_fits, densify_kernel, select_kernel
-from ..kernels.spgemm import (fits_shared_memory, pair_width_fits, reads_pairs, sddmm_kernel,
+from ..kernels.linear import column_tiles, linear_blocks, linear_kernel, linear_shared_bytes
+from ..kernels.maxk_select import densify_kernel, select_kernel
+from ..kernels.spgemm import (pair_width_fits, reads_pairs, sddmm_kernel,
                               spgemm_kernel, spgemm_vector_width, sspmm_kernel,
                               sspmm_vector_width)
 from ._common import aggregation_dtype, as_dtype
 from ._launch import device_index, launcher
 
-#: Threads of one SpGEMM/SSpMM block. The kernels work per warp; under the
-#: simulator blocks are one warp (there ``syncthreads`` stands in for
-#: ``syncwarp``).
-THREADS = 128
-SIM_THREADS = WARP
 KERNEL_DTYPE = torch.float32
 UINT32_MAX = 2**32 - 1
 #: Edges from which the forward reads the CBSR as (value, index) pairs
@@ -72,22 +67,11 @@ def _kernel_input(t: Tensor) -> Tensor:
     return as_dtype(t, KERNEL_DTYPE).contiguous()
 
 
-def block_threads() -> int:
-    """Threads of one SpGEMM/SSpMM block here (one warp in the simulator)."""
-    return SIM_THREADS if launcher().simulator else THREADS
-
-
 # --------------------------------------------------------------- maxk ops
-def _rows_per_block() -> int:
-    """Rows (one per warp) of a select/densify block here (one warp in the
-    simulator)."""
-    return 1 if launcher().simulator else ROWS_PER_BLOCK
-
-
 def _row_launch(num_rows: int, device: torch.device):
     """(launcher, rows per block, threads, blocks) for the warp-per-row kernels."""
     run = launcher()
-    rows_per_block = _rows_per_block()
+    rows_per_block = geometry.rows_per_block()
     threads = WARP * rows_per_block
     return (run, rows_per_block, threads,
             min(-(-num_rows // rows_per_block), run.max_blocks(device, threads)))
@@ -114,7 +98,7 @@ def maxk_select(x: Tensor, k: int) -> Tuple[Tensor, Tensor]:
 def cbsr_to_dense(values: Tensor, indices: Tensor, dim: int) -> Tensor:
     """The dense ``[N, dim]`` matrix of the CBSR ``(values, indices)``, each
     row written once from shared memory (``dim`` within
-    :func:`supports_to_dense`)."""
+    :func:`~pyg_maxk.kernels.geometry.takes_densify`)."""
     n, k = values.shape
     half = half_kind(values.dtype)
     dense = torch.empty(n, dim, dtype=values.dtype if half else KERNEL_DTYPE,
@@ -126,35 +110,18 @@ def cbsr_to_dense(values: Tensor, indices: Tensor, dim: int) -> Tensor:
     return as_dtype(dense, values.dtype)
 
 
-def supports_to_dense(dim: int) -> bool:
-    """Whether the densify kernel takes rows of width ``dim`` (one row per
-    warp in shared memory); MaxK's widths (:data:`~pyg_maxk.dispatch.MAX_SELECT_DIM`)
-    always fit."""
-    return densify_fits(dim, _rows_per_block())
-
-
 # ------------------------------------------------------------ linear op
-def _linear_warps() -> int:
-    return 1 if launcher().simulator else LINEAR_WARPS
-
-
-def supports_linear(dim: int, k: int) -> bool:
-    """Whether :func:`cbsr_linear` takes CBSR rows of this shape (a ``W^T``
-    tile of ``dim`` rows in shared memory)."""
-    return linear_fits(dim, k, _linear_warps())
-
-
 def cbsr_linear(values: Tensor, indices: Tensor, dim: int, weight: Tensor,
                 bias: Optional[Tensor]) -> Tensor:
     """``dense(h) @ weight.T + bias`` as float32 ``[N, out_features]`` from
     the float32 CBSR ``(values, indices)`` of width ``dim`` (within
-    :func:`supports_linear`), without building ``dense(h)``."""
+    :func:`~pyg_maxk.kernels.geometry.takes_linear`), without building ``dense(h)``."""
     n, k = values.shape
     out_features = weight.size(0)
     out = torch.empty(n, out_features, dtype=KERNEL_DTYPE, device=values.device)
     if n > 0 and out_features > 0:
         run = launcher()
-        warps = _linear_warps()
+        warps = geometry.linear_warps()
         threads = warps * WARP
         # One wave: every block has the same number of rows per tile.
         resident = run.resident_blocks(values.device, threads,
@@ -172,7 +139,7 @@ def cbsr_linear(values: Tensor, indices: Tensor, dim: int, weight: Tensor,
 def _item_launch(num_items: int, device: torch.device):
     """(launcher, threads, blocks) for the per-warp work-item kernels."""
     run = launcher()
-    threads = block_threads()
+    threads = geometry.block_threads()
     return run, threads, min(-(-num_items // (threads // WARP)), run.max_blocks(device, threads))
 
 
@@ -336,12 +303,6 @@ def kernel_weights(g: GraphOperands) -> Tuple[Optional[Tensor], Optional[Tensor]
     if g.row_scale is not None:
         return None, _as_kernel_dtype(g.row_scale)
     return _as_kernel_dtype(g.weight), None
-
-
-def supports(k: int, dim: int) -> bool:
-    """Whether the SpGEMM/SSpMM kernels take CBSR features of this shape (their
-    shared-memory rows hold ``dim`` floats per warp)."""
-    return fits_shared_memory(k, dim, block_threads() // WARP)
 
 
 def check_cbsr_offsets(num_rows: int, k: int, num_edges: int,
