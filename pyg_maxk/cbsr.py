@@ -11,6 +11,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .dispatch import get_backend
+
 
 def index_dtype_for(dim: int) -> torch.dtype:
     """The narrowest integer type that holds a column index below ``dim``."""
@@ -88,12 +90,16 @@ class CBSR:
         return self.indices.long()
 
     def to_dense(self) -> Tensor:
-        """The dense ``[N, dim]`` matrix, differentiable w.r.t. ``values``: a
-        zero-fill and a scatter in torch. :func:`pyg_maxk.ops.to_dense`
-        gives the same matrix through the backend's densify kernel (what
-        the layers use)."""
-        return self.values.new_zeros(self.num_rows, self.dim).scatter(
-            1, self.long_indices(), self.values)
+        """The dense ``[N, dim]`` matrix, differentiable w.r.t. ``values``:
+        :func:`pyg_maxk.ops.to_dense`, reached through its registered custom
+        op (``torch.ops.pyg_maxk``) so that the format imports nothing of the
+        op layer (the layers call :func:`pyg_maxk.ops.to_dense` itself, which
+        skips the dispatcher in eager mode)."""
+        if self.is_full:  # a plain scatter, differentiable by torch itself
+            return self.values.new_zeros(self.num_rows, self.dim).scatter(
+                1, self.long_indices(), self.values)
+        return torch.ops.pyg_maxk.cbsr_to_dense(self.values, self.indices, self.dim,
+                                                get_backend())
 
     def add_to(self, dense: Tensor, alpha: Optional[Tensor | float] = None,
                inplace: bool = False) -> Tensor:

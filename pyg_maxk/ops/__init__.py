@@ -79,8 +79,8 @@ def to_dense(h: CBSR) -> Tensor:
     """The dense ``[N, dim]`` form of ``h`` (:meth:`CBSR.to_dense`),
     differentiable w.r.t. ``h.values``. The ``"numba"`` backend writes each row
     once from shared memory; elsewhere it is a zero-fill and a scatter."""
-    if h.is_full:  # a plain scatter, differentiable by torch itself
-        return h.values.new_zeros(h.num_rows, h.dim).scatter(1, h.long_indices(), h.values)
+    if h.is_full:
+        return h.to_dense()  # a plain scatter, differentiable by torch itself
     return lib.cbsr_to_dense(h.values, h.indices, h.dim, get_backend())
 
 
