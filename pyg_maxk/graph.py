@@ -164,7 +164,8 @@ def unpack(index: Tensor, col: Tensor, weight: Optional[Tensor], row_scale: Opti
            row_t: Optional[Tensor], weight_t: Optional[Tensor],
            layout: List[int]) -> GraphOperands:
     """The :class:`GraphOperands` of a :class:`PackedGraph`'s fields: views of
-    ``index`` (found again, not sliced, for a buffer of a live graph)."""
+    ``index``, or, for the buffer of a live graph, the equal arrays it was
+    packed from (a dictionary lookup instead of seven slices in eager mode)."""
     views = _known_views(index)
     if views is None:
         views, offset = [], 0
@@ -182,7 +183,7 @@ def unpack(index: Tensor, col: Tensor, weight: Optional[Tensor], row_scale: Opti
 
 
 class _Views:
-    """The views of one packed buffer, owned by its graph (see
+    """The arrays one packed buffer was made from, owned by its graph (see
     :func:`_known_views`)."""
     __slots__ = ("index", "views", "__weakref__")
 
@@ -190,8 +191,8 @@ class _Views:
         self.index, self.views = index, views
 
 
-#: ``id(buffer) -> weakref(_Views)``: an entry dies with its graph (its views
-#: hold the buffer, so the registry holds no strong reference).
+#: ``id(buffer) -> weakref(_Views)``: an entry holds its buffer, so the
+#: registry holds it weakly and it dies with its graph.
 _VIEWS: Dict[int, "weakref.ref[_Views]"] = {}
 
 
