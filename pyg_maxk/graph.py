@@ -103,23 +103,21 @@ class GraphOperands(NamedTuple):
 
 
 class PackedGraph(NamedTuple):
-    """:class:`GraphOperands` as the custom ops take them: the small integer
-    arrays (row pointers, the work schedule) in one byte buffer, the edge
-    arrays (``[E]``: never copied) and the edge values (which may be
-    learnable) apart.
+    """:class:`GraphOperands` as the custom ops take them: every array in one
+    byte buffer, except edge values that are recomputed on every call (and
+    may need a gradient), which come apart.
 
     Every tensor crossing a compiled graph's boundary costs host time on each
     call (a guard, a CUDA-graph input check, a tensor saved for the
-    backward), and small graphs are host-bound: one buffer instead of seven
-    arrays. ``layout`` holds ``(numel, dtype code)`` per field of
-    :data:`INDEX_FIELDS` (``numel = -1``: absent); each array starts at a
-    multiple of :data:`PACK_ALIGN` bytes, so that its view keeps its type.
+    backward), and small graphs are host-bound: one buffer instead of twelve
+    arrays. ``layout`` holds ``(byte offset, numel, dtype code)`` per field of
+    :data:`GRAPH_FIELDS` (``numel = -1``: absent from the buffer); every array
+    starts at a multiple of :data:`PACK_ALIGN` bytes, so that its view keeps
+    its type. ``weight`` and ``weight_t``, when given, are the edge values in
+    place of the buffer's (:meth:`CSRGraph.with_weight`).
     """
     index: Tensor                 # uint8 [bytes]
-    col: Tensor
     weight: Optional[Tensor]
-    row_scale: Optional[Tensor]
-    row_t: Optional[Tensor]
     weight_t: Optional[Tensor]
     layout: List[int]
 
@@ -127,67 +125,101 @@ class PackedGraph(NamedTuple):
         return [t for t in self[:-1] if t is not None]
 
 
-#: The fields of :class:`GraphOperands` in :attr:`PackedGraph.index`, in order.
-INDEX_FIELDS = ("rowptr", "item_row", "item_start", "item_end", "item_split",
-                "zeroed_rows", "colptr")
-_PACKED_DTYPES = (torch.int32, torch.int64, torch.uint8)
+#: The fields of :class:`GraphOperands`, in the order of :attr:`PackedGraph.layout`.
+GRAPH_FIELDS = GraphOperands._fields
+_PACKED_DTYPES = (torch.int32, torch.int64, torch.uint8, torch.float32, torch.float64,
+                  torch.float16, torch.bfloat16)
 PACK_ALIGN = 16
+_WEIGHT_FIELDS = (GRAPH_FIELDS.index("weight"), GRAPH_FIELDS.index("weight_t"))
 
 
 def _padded(nbytes: int) -> int:
     return -(-nbytes // PACK_ALIGN) * PACK_ALIGN
 
 
-def pack(g: GraphOperands) -> PackedGraph:
-    """``g`` with its :data:`INDEX_FIELDS` copied into one buffer
-    (:func:`unpack` gives views of it)."""
-    arrays = [getattr(g, name) for name in INDEX_FIELDS]
+def pack(g: GraphOperands) -> Tuple[PackedGraph, GraphOperands]:
+    """``g`` copied into one buffer, and the views of it that :func:`unpack`
+    gives (equal to ``g``'s arrays). Edge values that need a gradient stay
+    apart (a copy would cut them off from it)."""
+    learnable = [t is not None and t.requires_grad for t in (g.weight, g.weight_t)]
+    arrays = [None if i in _WEIGHT_FIELDS and learnable[_WEIGHT_FIELDS.index(i)] else a
+              for i, a in enumerate(g)]
     layout: List[int] = []
     total = 0
     for a in arrays:
         if a is None:
-            layout += [-1, 0]
+            layout += [0, -1, 0]
         else:
-            layout += [a.numel(), _PACKED_DTYPES.index(a.dtype)]
+            layout += [total, a.numel(), _PACKED_DTYPES.index(a.dtype)]
             total += _padded(a.numel() * a.element_size())
-    buffer = torch.zeros(total, dtype=torch.uint8, device=g.col.device)
-    offset = 0
-    for a in arrays:
+    buffer = torch.empty(total, dtype=torch.uint8, device=g.col.device)
+    for offset, a in zip(layout[::3], arrays):
         if a is not None:
             nbytes = a.numel() * a.element_size()
-            buffer[offset:offset + nbytes] = a.contiguous().view(-1).view(torch.uint8)
-            offset += _padded(nbytes)
-    return PackedGraph(buffer, g.col, g.weight, g.row_scale, g.row_t, g.weight_t, layout)
+            buffer[offset:offset + nbytes] = a.detach().contiguous().view(-1).view(torch.uint8)
+    packed = PackedGraph(buffer, g.weight if learnable[0] else None,
+                         g.weight_t if learnable[1] else None, layout)
+    return packed, _views_of(buffer, layout, packed.weight, packed.weight_t)
 
 
-def unpack(index: Tensor, col: Tensor, weight: Optional[Tensor], row_scale: Optional[Tensor],
-           row_t: Optional[Tensor], weight_t: Optional[Tensor],
+def without_weights(layout: List[int]) -> List[int]:
+    """``layout`` with the edge values (``weight``, ``row_scale``, ``weight_t``)
+    marked absent: for other edge values, passed apart."""
+    out = list(layout)
+    for name in ("weight", "row_scale", "weight_t"):
+        out[3 * GRAPH_FIELDS.index(name) + 1] = -1
+    return out
+
+
+def layout_dtype(layout: List[int], name: str) -> Optional[torch.dtype]:
+    """The type of field ``name`` in the buffer (None: absent)."""
+    i = GRAPH_FIELDS.index(name)
+    return None if layout[3 * i + 1] < 0 else _PACKED_DTYPES[layout[3 * i + 2]]
+
+
+def layout_numel(layout: List[int], name: str) -> int:
+    """Entries of field ``name`` in the buffer (-1: absent)."""
+    return layout[3 * GRAPH_FIELDS.index(name) + 1]
+
+
+def _views_of(index: Tensor, layout: List[int], weight: Optional[Tensor],
+              weight_t: Optional[Tensor]) -> GraphOperands:
+    views = []
+    for offset, numel, code in zip(layout[::3], layout[1::3], layout[2::3]):
+        dtype = _PACKED_DTYPES[code]
+        views.append(None if numel < 0 else
+                     index[offset:offset + numel * dtype.itemsize].view(dtype))
+    return _with_weights(GraphOperands(*views), weight, weight_t)
+
+
+def _with_weights(g: GraphOperands, weight: Optional[Tensor],
+                  weight_t: Optional[Tensor]) -> GraphOperands:
+    if weight is not None:
+        g = g._replace(weight=weight)
+    if weight_t is not None:
+        g = g._replace(weight_t=weight_t)
+    return g
+
+
+def unpack(index: Tensor, weight: Optional[Tensor], weight_t: Optional[Tensor],
            layout: List[int]) -> GraphOperands:
     """The :class:`GraphOperands` of a :class:`PackedGraph`'s fields: views of
-    ``index``, or, for the buffer of a live graph, the equal arrays it was
-    packed from (a dictionary lookup instead of seven slices in eager mode)."""
+    ``index`` (for the buffer of a live graph, the views made when it was
+    packed: a dictionary lookup instead of twelve slices in eager mode), with
+    ``weight`` and ``weight_t`` where given."""
     views = _known_views(index)
     if views is None:
-        views, offset = [], 0
-        for numel, code in zip(layout[::2], layout[1::2]):
-            if numel < 0:
-                views.append(None)
-                continue
-            dtype = _PACKED_DTYPES[code]
-            nbytes = numel * dtype.itemsize
-            views.append(index[offset:offset + nbytes].view(dtype))
-            offset += _padded(nbytes)
-    rowptr, item_row, item_start, item_end, item_split, zeroed_rows, colptr = views
-    return GraphOperands(rowptr, col, weight, row_scale, item_row, item_start, item_end,
-                         item_split, zeroed_rows, colptr, row_t, weight_t)
+        return _views_of(index, layout, weight, weight_t)
+    present = [v if numel >= 0 else None for v, numel in zip(views, layout[1::3])]
+    return _with_weights(GraphOperands(*present), weight, weight_t)
 
 
 class _Views:
-    """The arrays one packed buffer was made from, owned by its graph (see
+    """The views of one packed buffer, owned by its graph (see
     :func:`_known_views`)."""
     __slots__ = ("index", "views", "__weakref__")
 
-    def __init__(self, index: Tensor, views: Tuple[Optional[Tensor], ...]) -> None:
+    def __init__(self, index: Tensor, views: GraphOperands) -> None:
         self.index, self.views = index, views
 
 
@@ -196,8 +228,8 @@ class _Views:
 _VIEWS: Dict[int, "weakref.ref[_Views]"] = {}
 
 
-def _register_views(packed: PackedGraph, g: GraphOperands) -> _Views:
-    entry = _Views(packed.index, tuple(getattr(g, name) for name in INDEX_FIELDS))
+def _register_views(packed: PackedGraph, views: GraphOperands) -> _Views:
+    entry = _Views(packed.index, views)
     key = id(packed.index)
 
     def forget(ref):
@@ -208,7 +240,7 @@ def _register_views(packed: PackedGraph, g: GraphOperands) -> _Views:
     return entry
 
 
-def _known_views(index: Tensor) -> Optional[Tuple[Optional[Tensor], ...]]:
+def _known_views(index: Tensor) -> Optional[GraphOperands]:
     ref = _VIEWS.get(id(index))
     entry = ref() if ref is not None else None
     return entry.views if entry is not None and entry.index is index else None
@@ -397,9 +429,9 @@ class CSRGraph:
                                  weight.detach().index_select(0, self._transpose_order))
             graph._transpose_order = self._transpose_order
         for max_edges, ops in self._operands.items():
-            weight_t = None if ops.row_t is None else graph._transposed[2]
-            graph._operands[max_edges] = ops._replace(weight=weight, row_scale=None,
-                                                      weight_t=weight_t)
+            weight_t = None if layout_numel(ops.layout, "row_t") < 0 else graph._transposed[2]
+            graph._operands[max_edges] = PackedGraph(ops.index, weight, weight_t,
+                                                     without_weights(ops.layout))
         return graph
 
     def operands(self, k: int) -> PackedGraph:
@@ -444,10 +476,25 @@ class CSRGraph:
         operands = GraphOperands(self.rowptr, self.kernel_col(), self.weight, self.row_scale,
                                  schedule.row, schedule.start, schedule.end, schedule.split,
                                  schedule.zeroed_rows, colptr, row_t, weight_t)
-        packed = pack(operands)
-        self._views[max_edges] = _register_views(packed, operands)
+        packed, views = pack(operands)
+        self._views[max_edges] = _register_views(packed, views)
+        if len(self._operands) == 0:
+            self._hold_views(operands, views)
         self._operands[max_edges] = packed
         return packed
+
+    def _hold_views(self, packed_from: GraphOperands, views: GraphOperands) -> None:
+        """Keep the buffer's copies of this graph's own arrays in their place,
+        so that the graph holds each array once (a later ``k``'s buffer holds
+        another copy)."""
+        for name in ("rowptr", "col", "weight", "row_scale"):
+            mine = getattr(self, name)
+            if mine is not None and mine is getattr(packed_from, name) \
+                    and getattr(views, name) is not mine:
+                setattr(self, name, getattr(views, name))
+        if self._transposed is not None and packed_from.colptr is self._transposed[0]:
+            self._transposed = (views.colptr, views.row_t,
+                                views.weight_t if self._transposed[2] is not None else None)
 
     def kernel_col(self) -> Tensor:
         """``col`` as int32, the type the kernels read."""

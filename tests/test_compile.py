@@ -103,6 +103,34 @@ def test_graph_breaks(kind):
     assert torch._dynamo.explain(conv)(x, ei).graph_break_count <= 1  # per conv call
 
 
+def _graph_inputs(model, x, adj, **kwargs):
+    """Inputs of the compiled forward graph that are neither ``x`` nor a
+    parameter or buffer: what the graph costs at the compiled boundary."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+    counts = []
+
+    def forward_compiler(gm, example_inputs):
+        counts.append(sum(node.op == "placeholder" for node in gm.graph.nodes))
+        return gm
+
+    def backend(gm, example_inputs):
+        return aot_module_simplified(gm, example_inputs, fw_compiler=forward_compiler,
+                                     bw_compiler=lambda gm, _: gm)
+
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    compiled(x, adj, **kwargs).sum().backward()
+    return counts[0] - 1 - len(list(model.parameters())) - len(list(model.buffers()))
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_a_prepared_graph_crosses_the_compiled_boundary_as_one_tensor(kind):
+    """Every tensor at the boundary costs host time per call (guards, CUDA-graph
+    input checks, saved tensors): the schedule, the structure and the edge
+    values travel in one buffer."""
+    x, ei = _data()
+    assert _graph_inputs(_model(kind), x, _prepared(kind, ei)) == 1
+
+
 @pytest.mark.parametrize("prepared", [False, True])
 def test_a_new_adjacency_of_the_same_shape_gives_its_own_result(prepared):
     x, ei = _data()

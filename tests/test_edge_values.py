@@ -288,7 +288,7 @@ def test_gradcheck_of_the_aggregation_in_its_edge_values(backend, split_rows):
     def aggregate(weight, values):
         return lib.spgemm(*ops._replace(weight=weight), values, indices, N, 12, backend)
 
-    weight = ops.weight.detach().clone().requires_grad_()
+    weight = graph.weight.detach().clone().requires_grad_()
     with pyg_maxk.use_backend(backend):
         assert torch.autograd.gradcheck(aggregate, (weight, values.requires_grad_()))
 

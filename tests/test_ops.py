@@ -52,8 +52,8 @@ def op_cases(backend, dtype=torch.float32):
         grad_out = torch.randn(num_dst, dim, device=DEVICE, dtype=dtype)
         cases.append((lib.sspmm, (*ops, indices, grad_out, num_src, backend)))
         cases.append((lib.sddmm, (*ops, values.detach(), indices, grad_out, backend)))
-        if ops.weight is not None:  # learnable edge values: the SDDMM in the backward
-            learnable = ops._replace(weight=ops.weight.detach().clone().requires_grad_())
+        if graph.weight is not None:  # learnable edge values: the SDDMM in the backward
+            learnable = ops._replace(weight=graph.weight.detach().clone().requires_grad_())
             cases.append((lib.spgemm, (*learnable, values, indices, num_dst, dim, backend)))
         dense = torch.randn(num_src, dim, device=DEVICE, dtype=dtype, requires_grad=True)
         weight = None if graph.weight is None else graph.weight.to(dtype)
@@ -179,7 +179,7 @@ def test_edge_value_gradient_against_float64(backend, dim, k, monkeypatch):
         ops = graph.operands(k)
         if num_edges == 400:
             assert bool((pyg_maxk.graph.unpack(*ops).item_split != 0).any())
-        learnable = ops._replace(weight=ops.weight.detach().clone().requires_grad_())
+        learnable = ops._replace(weight=graph.weight.detach().clone().requires_grad_())
         grad_out = torch.randn(num_dst, dim, device=DEVICE, dtype=dtype)
         with pyg_maxk.use_backend(backend):
             out = lib.spgemm(*learnable, values.detach(), indices, num_dst, dim, backend)

@@ -10,7 +10,7 @@ from torch_geometric.nn.dense.linear import Linear, is_uninitialized_parameter
 from torch_geometric.nn.inits import zeros
 from torch_geometric.typing import Adj, OptTensor
 
-from ..ops import aggregation_dtype
+from ..ops import aggregation_dtype, dtype_of
 from .conv_base import Features, MaxKConv
 
 
@@ -104,7 +104,8 @@ class MaxKGCNConv(MaxKConv):
             # edge values and then adds the bias, each in torch's promoted
             # type: the same result type here.
             out = F.linear(agg, self.lin.weight)
-            out = out.to(aggregation_dtype(out.dtype, graph.weight, graph.row_scale))
+            out = out.to(aggregation_dtype(out.dtype, dtype_of(graph.weight),
+                                           dtype_of(graph.row_scale)))
             return out if self.bias is None else out + self.bias
         # The bias in the GEMM's epilogue: no separate pass over [N, F_out].
         return F.linear(agg, self.lin.weight, self.bias)

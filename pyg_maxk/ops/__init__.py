@@ -19,7 +19,7 @@ from ..cbsr import CBSR, index_dtype_for
 from ..dispatch import get_backend
 from ..graph import CSRGraph
 from . import _library as lib
-from ._common import aggregation_dtype, as_dtype
+from ._common import aggregation_dtype, as_dtype, dtype_of
 
 
 def check_k(k: object) -> int:

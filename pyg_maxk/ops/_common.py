@@ -7,16 +7,26 @@ import torch
 from torch import Tensor
 
 
-def aggregation_dtype(values_dtype: torch.dtype, weight: Optional[Tensor],
-                      row_scale: Optional[Tensor]) -> torch.dtype:
+def aggregation_dtype(values_dtype: torch.dtype, weight_dtype: Optional[torch.dtype],
+                      row_scale_dtype: Optional[torch.dtype]) -> torch.dtype:
     """The type of ``A @ h`` for features of ``values_dtype``, as PyG's convs
     give it: promoted with the edge values' type where they weight the sum
     (GCN's float32 normalisation times bf16 features under autocast is
     float32), the features' own type for an unweighted sum or a mean (a
     per-row scale, as PyG's mean of the messages)."""
-    if weight is None or row_scale is not None:
+    if weight_dtype is None or row_scale_dtype is not None:
         return values_dtype
-    return torch.promote_types(values_dtype, weight.dtype)
+    return torch.promote_types(values_dtype, weight_dtype)
+
+
+def spgemm_dtype(values: Tensor, g) -> torch.dtype:
+    """:func:`aggregation_dtype` of CBSR ``values`` on the graph operands ``g``."""
+    return aggregation_dtype(values.dtype, dtype_of(g.weight), dtype_of(g.row_scale))
+
+
+def dtype_of(t: Optional[Tensor]) -> Optional[torch.dtype]:
+    """``t``'s type, None for no tensor."""
+    return None if t is None else t.dtype
 
 
 def as_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:

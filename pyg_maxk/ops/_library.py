@@ -23,9 +23,9 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from ..cbsr import index_dtype_for
 from .. import dispatch
 from ..dispatch import choose
-from ..graph import PackedGraph, unpack
+from ..graph import PackedGraph, layout_dtype, layout_numel, unpack
 from . import torch_ops
-from ._common import aggregation_dtype
+from ._common import aggregation_dtype, dtype_of
 
 
 def _impls(op: str, requested: str, tensor: Tensor, **shape):
@@ -159,24 +159,22 @@ maxk_select = KernelOp("maxk_select", _maxk_select, _maxk_select_fake,
 #: The graph arguments of :data:`spgemm`, :data:`sspmm` and :data:`sddmm`, in
 #: order (:class:`~pyg_maxk.graph.PackedGraph`).
 NUM_GRAPH_ARGS = len(PackedGraph._fields)
-#: Position of the edge values and of the row scale among the graph arguments.
+#: Position of the edge values given apart among the graph arguments.
 _WEIGHT_ARG = PackedGraph._fields.index("weight")
-_ROW_SCALE_ARG = PackedGraph._fields.index("row_scale")
 
 
-def _spgemm(index: Tensor, col: Tensor, weight: Optional[Tensor], row_scale: Optional[Tensor],
-            row_t: Optional[Tensor], weight_t: Optional[Tensor], layout: List[int],
-            values: Tensor, indices: Tensor, num_dst: int, dim: int, backend: str) -> Tensor:
-    g = unpack(index, col, weight, row_scale, row_t, weight_t, layout)
+def _spgemm(index: Tensor, weight: Optional[Tensor], weight_t: Optional[Tensor],
+            layout: List[int], values: Tensor, indices: Tensor, num_dst: int, dim: int,
+            backend: str) -> Tensor:
+    g = unpack(index, weight, weight_t, layout)
     return _impls("aggregate", backend, values, dim=dim, k=values.size(1)).spgemm(
         g, values, indices, num_dst, dim)
 
 
-def _spgemm_fake(*args):
-    values, num_dst, dim = args[NUM_GRAPH_ARGS], args[-3], args[-2]
-    weight, row_scale = args[_WEIGHT_ARG], args[_ROW_SCALE_ARG]
-    return values.new_empty(num_dst, dim,
-                            dtype=aggregation_dtype(values.dtype, weight, row_scale))
+def _spgemm_fake(index, weight, weight_t, layout, values, indices, num_dst, dim, backend):
+    weight_dtype = weight.dtype if weight is not None else layout_dtype(layout, "weight")
+    return values.new_empty(num_dst, dim, dtype=aggregation_dtype(
+        values.dtype, weight_dtype, layout_dtype(layout, "row_scale")))
 
 
 def _spgemm_setup(ctx, inputs, output) -> None:
@@ -210,10 +208,10 @@ def _spgemm_backward(ctx, grad_out):
     return (*grads, grad_values, None, None, None, None)
 
 
-def _sspmm(index: Tensor, col: Tensor, weight: Optional[Tensor], row_scale: Optional[Tensor],
-           row_t: Optional[Tensor], weight_t: Optional[Tensor], layout: List[int],
-           indices: Tensor, grad_out: Tensor, num_src: int, backend: str) -> Tensor:
-    g = unpack(index, col, weight, row_scale, row_t, weight_t, layout)
+def _sspmm(index: Tensor, weight: Optional[Tensor], weight_t: Optional[Tensor],
+           layout: List[int], indices: Tensor, grad_out: Tensor, num_src: int,
+           backend: str) -> Tensor:
+    g = unpack(index, weight, weight_t, layout)
     return _impls("aggregate", backend, grad_out, dim=grad_out.size(1),
                   k=indices.size(1)).sspmm(g, indices, grad_out, num_src)
 
@@ -223,18 +221,17 @@ def _sspmm_fake(*args):
     return grad_out.new_empty(num_src, indices.size(1))
 
 
-def _sddmm(index: Tensor, col: Tensor, weight: Optional[Tensor], row_scale: Optional[Tensor],
-           row_t: Optional[Tensor], weight_t: Optional[Tensor], layout: List[int],
-           values: Tensor, indices: Tensor, grad_out: Tensor, backend: str) -> Tensor:
-    g = unpack(index, col, weight, row_scale, row_t, weight_t, layout)
+def _sddmm(index: Tensor, weight: Optional[Tensor], weight_t: Optional[Tensor],
+           layout: List[int], values: Tensor, indices: Tensor, grad_out: Tensor,
+           backend: str) -> Tensor:
+    g = unpack(index, weight, weight_t, layout)
     return _impls("aggregate", backend, grad_out, dim=grad_out.size(1),
                   k=indices.size(1)).sddmm(g, values, indices, grad_out)
 
 
-def _sddmm_fake(*args):
-    col, values, grad_out = args[1], args[NUM_GRAPH_ARGS], args[NUM_GRAPH_ARGS + 2]
-    return grad_out.new_empty(col.size(0), dtype=torch.promote_types(values.dtype,
-                                                                     torch.float32))
+def _sddmm_fake(index, weight, weight_t, layout, values, indices, grad_out, backend):
+    return grad_out.new_empty(layout_numel(layout, "col"),
+                              dtype=torch.promote_types(values.dtype, torch.float32))
 
 
 #: No autograd of its own (no double backward through the aggregation).
@@ -252,7 +249,7 @@ def _spmm(rowptr: Tensor, col: Tensor, weight: Optional[Tensor], dense: Tensor, 
 
 def _spmm_fake(rowptr, col, weight, dense, num_src, transpose):
     return dense.new_empty(num_src if transpose else rowptr.size(0) - 1, dense.size(1),
-                           dtype=aggregation_dtype(dense.dtype, weight, None))
+                           dtype=aggregation_dtype(dense.dtype, dtype_of(weight), None))
 
 
 def _spmm_setup(ctx, inputs, output) -> None:

@@ -14,7 +14,7 @@ from torch import Tensor
 from ..cbsr import index_dtype_for
 from ..graph import GraphOperands
 from ..kernels import cpu as kernels
-from ._common import aggregation_dtype, as_dtype
+from ._common import as_dtype, spgemm_dtype
 
 
 def maxk_select(x: Tensor, k: int) -> Tuple[Tensor, Tensor]:
@@ -44,7 +44,7 @@ def spgemm(g: GraphOperands, values: Tensor, indices: Tensor, num_dst: int,
     kernels.spgemm_rows(g.rowptr.numpy(), g.col.numpy(), weight, weighted,
                         values.detach().contiguous().numpy(), indices.contiguous().numpy(),
                         out.numpy())
-    return as_dtype(out, aggregation_dtype(values.dtype, g.weight, g.row_scale))
+    return as_dtype(out, spgemm_dtype(values, g))
 
 
 def sspmm(g: GraphOperands, indices: Tensor, grad_out: Tensor, num_src: int) -> Tensor:

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from ..cbsr import index_dtype_for
-from ..graph import PAIRS_PER_ITEM, GraphOperands, max_edges_per_item  # noqa: F401
+from ..graph import GraphOperands
 from ..kernels import geometry
 from ..kernels._warp import WARP
 from ..kernels.linear import column_tiles, linear_blocks, linear_kernel, linear_shared_bytes
@@ -34,7 +34,7 @@ from ..kernels.maxk_select import densify_kernel, select_kernel
 from ..kernels.spgemm import (pair_width_fits, reads_pairs, sddmm_kernel,
                               spgemm_kernel, spgemm_vector_width, sspmm_kernel,
                               sspmm_vector_width)
-from ._common import aggregation_dtype, as_dtype
+from ._common import as_dtype, spgemm_dtype
 from ._launch import device_index, launcher
 
 KERNEL_DTYPE = torch.float32
@@ -242,7 +242,7 @@ def spgemm(g: GraphOperands, values: Tensor, indices: Tensor, num_dst: int,
         run(kernel, blocks, threads, values.device, g.item_row, g.item_start, g.item_end,
             g.item_split, g.col, _or_unread(weight, g.item_start),
             _or_unread(row_scale, g.item_start), flat, index_words, out, num_items)
-    return as_dtype(out, aggregation_dtype(values.dtype, g.weight, g.row_scale))
+    return as_dtype(out, spgemm_dtype(values, g))
 
 
 def _or_unread(optional: Optional[Tensor], stand_in: Tensor) -> Tensor:

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ..cbsr import index_dtype_for
 from ..graph import GraphOperands
-from ._common import aggregation_dtype
+from ._common import aggregation_dtype, dtype_of, spgemm_dtype
 
 Densify = Callable[[Tensor, Tensor, int], Tensor]
 
@@ -50,7 +50,7 @@ def spmm(rowptr: Tensor, col: Tensor, weight: Optional[Tensor], dense: Tensor, n
     (``[num_src, d]``) for the CSR graph ``A`` of ``num_src`` columns, in
     ``dense``'s dtype promoted with the edge values' (torch's rule)."""
     num_dst = rowptr.numel() - 1
-    out_dtype = aggregation_dtype(dense.dtype, weight, None)
+    out_dtype = aggregation_dtype(dense.dtype, dtype_of(weight), None)
     # Half-precision features accumulate in float32, as the kernels do (and
     # torch.sparse has no half CSR product on the CPU).
     dtype = torch.float32 if out_dtype in (torch.float16, torch.bfloat16) else out_dtype
@@ -65,7 +65,7 @@ def spgemm(g: GraphOperands, values: Tensor, indices: Tensor, num_dst: int,
            dim: int) -> Tensor:
     """``A @ dense(h)``."""
     return spmm(g.rowptr, g.col, g.weight, cbsr_to_dense(values, indices, dim),
-                values.size(0), False).to(aggregation_dtype(values.dtype, g.weight, g.row_scale))
+                values.size(0), False).to(spgemm_dtype(values, g))
 
 
 def sspmm(g: GraphOperands, indices: Tensor, grad_out: Tensor, num_src: int) -> Tensor:
