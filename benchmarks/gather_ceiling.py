@@ -31,6 +31,7 @@ import torch
 
 
 import pyg_maxk
+from pyg_maxk.graph import max_edges_per_item
 from pyg_maxk.kernels import cuda_module, geometry
 from pyg_maxk.kernels._warp import WARP
 from pyg_maxk.kernels._vector import vector_load
@@ -55,7 +56,7 @@ def gather_kernel(k: int, read_indices: bool, warps: int, width: int = 1, pairs:
     lanes = neighbour_lanes(k, width)
     groups, chunks = WARP // lanes, -(-k // (lanes * width))
     kk, last_slot, n_lanes, n_groups = uint32(k), uint32(k - width), uint32(lanes), uint32(groups)
-    per_item = uint32(max(1, numba_ops.PAIRS_PER_ITEM // k))
+    per_item = uint32(max_edges_per_item(k))
     w32, n_warps, one, vw = uint32(WARP), uint32(warps), uint32(1), uint32(width)
     unroll = spgemm_unroll(k, width)
     load = vector_load(width) if width > 1 else None

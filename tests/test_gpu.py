@@ -15,7 +15,7 @@ from pyg_maxk.ops import numba_ops
 from helpers import FORMS, adjacency, assert_same_as_stock, dense_reference, random_edge_index
 from test_layers import make_pair
 from test_numba_backend import (HALF, assert_same_selection, check_cbsr_linear,
-                                check_half_kernels, check_kernels, kernel_maxk,
+                                check_half_kernels, check_kernels, every_k_case, kernel_maxk,
                                 poison_allocator, random_cbsr)
 
 pytestmark = [pytest.mark.gpu,
@@ -170,6 +170,19 @@ def test_half_kernels_power_law_all_k(dim, dtype, normalization):
     graph = power_law_graph(normalization=normalization)
     for k in sorted({1, 3, 8, 16, 32, 33, dim - 1}):
         check_half_kernels(graph, dim, k, dtype, seed=k)
+
+
+@pytest.mark.parametrize("dim,k", [(dim, k) for dim in (64, 128, 256, 512)
+                                   for k in range(1, dim)])
+def test_half_kernels_power_law_every_k(monkeypatch, dim, k):
+    # Every k from 1 to dim - 1 at dims 64-512 on the power-law graph (its
+    # 50,000-neighbour row split over work items), the half type, the
+    # normalisation and forced pairs varying with k (every_k_case).
+    dtype, normalization, pairs = every_k_case(k)
+    if pairs:
+        monkeypatch.setattr(numba_ops, "PAIRS_MIN_EDGES", 0)
+    graph = power_law_graph(normalization="gcn" if normalization == "sum" else "mean")
+    check_half_kernels(graph, dim, k, dtype, seed=k)
 
 
 @pytest.mark.parametrize("dtype", HALF)

@@ -38,6 +38,12 @@ def random_cbsr(num_rows, dim, k, seed=0, dtype=torch.float32):
     return CBSR(values.to(DEVICE, dtype), idx.to(DEVICE, pyg_maxk.index_dtype_for(dim)), dim)
 
 
+def split_items(graph: CSRGraph, k: int) -> torch.Tensor:
+    """The split flags of the work items the kernels run at ``k``."""
+    from pyg_maxk.graph import unpack
+    return unpack(*graph.operands(k)).item_split
+
+
 def kernel_maxk(x: torch.Tensor, k: int) -> CBSR:
     """MaxK through the select kernel itself (its custom op, differentiable)."""
     from pyg_maxk.ops import _library
@@ -86,11 +92,11 @@ def test_spgemm_and_sspmm_against_float64(normalization, weighted):
 
 def test_heavy_rows_split_across_items(monkeypatch):
     # One row of 200 edges with work items of 16 edges: atomics across items.
-    monkeypatch.setattr(numba_ops, "PAIRS_PER_ITEM", 16 * 4)
+    monkeypatch.setattr(pyg_maxk.graph, "PAIRS_PER_ITEM", 16 * 4)
     src = torch.arange(200) % 25
     dst = torch.cat([torch.zeros(190, dtype=torch.long), torch.arange(1, 11)])
     graph = CSRGraph.from_adj(torch.stack([src, dst]).to(DEVICE), (25, 12))
-    assert graph.schedule(16).split.sum() == 12  # ceil(190 / 16)
+    assert int(split_items(graph, k=4).sum()) == 12  # ceil(190 / 16)
     check_kernels(graph, dim=20, k=4)
 
 
@@ -168,11 +174,13 @@ def test_value_index_pairs(monkeypatch, dim, k):
     h = random_cbsr(35, dim, k, seed=k)
     pairs = numba_ops._spgemm_operands(h.values, h.indices, num_edges=1)[4]
     assert pairs == reads_pairs(k) == (k != 17)
-    monkeypatch.setattr(numba_ops, "PAIRS_PER_ITEM", 16 * k)
+    monkeypatch.setattr(pyg_maxk.graph, "PAIRS_PER_ITEM", 16 * k)
     ei = random_edge_index(35, 20, 300, seed=k).to(DEVICE)
     w = (torch.rand(300) + 0.1).to(DEVICE)
-    check_kernels(CSRGraph.from_adj(ei, (35, 20), edge_weight=w), dim=dim, k=k, h=h)
-    check_kernels(CSRGraph.from_adj(ei, (35, 20), normalization="mean"), dim=dim, k=k, h=h)
+    for graph in (CSRGraph.from_adj(ei, (35, 20), edge_weight=w),
+                  CSRGraph.from_adj(ei, (35, 20), normalization="mean")):
+        assert bool(split_items(graph, k).any())
+        check_kernels(graph, dim=dim, k=k, h=h)
 
 
 def assert_norm_close(actual: torch.Tensor, expected: torch.Tensor, tol: float = 1e-5):
@@ -400,7 +408,7 @@ def check_half_kernels(graph, dim, k, dtype, seed=0, h=None):
     the edge values' gradient (float32) within float32 error, densify bit
     for bit."""
     from pyg_maxk.graph import unpack
-    from pyg_maxk.ops import _library as lib, aggregation_dtype, torch_ops
+    from pyg_maxk.ops import _library as lib, aggregation_dtype, dtype_of, torch_ops
 
     h = random_cbsr(graph.num_src, dim, k, seed, dtype) if h is None else h
     unit = HALF_UNIT[dtype]
@@ -410,7 +418,7 @@ def check_half_kernels(graph, dim, k, dtype, seed=0, h=None):
         out = pyg_maxk.aggregate(graph, h.with_values(values))
         poison_allocator()
         dense = h.to_dense()
-    assert out.dtype == aggregation_dtype(dtype, graph.weight, graph.row_scale)
+    assert out.dtype == aggregation_dtype(dtype, dtype_of(graph.weight), dtype_of(graph.row_scale))
     assert dense.dtype == dtype
     out_tol = unit if out.dtype == dtype else 1e-5
     torch.testing.assert_close(out.double(), reference_spgemm(graph, h), rtol=out_tol,
@@ -446,6 +454,35 @@ def test_half_precision_kernels_against_float64(dtype, normalization, weighted):
     check_half_kernels(graph, dim=40, k=6, dtype=dtype, seed=9)
 
 
+def every_k_case(k: int):
+    """``(dtype, normalization, forced pairs)`` of the every-k sweeps: the
+    three vary with ``k`` independently, so that every code path meets both
+    half types, a row scale and float32 edge values."""
+    dtype = torch.bfloat16 if k % 2 == 0 else torch.float16
+    normalization = "mean" if (k // 2) % 2 == 0 else "sum"
+    return dtype, normalization, k % 3 == 0
+
+
+@pytest.mark.parametrize("k", range(1, 64))
+def test_half_precision_kernels_every_k(monkeypatch, k):
+    # Every k from 1 to dim - 1 at dim 64: 1, 2 and 4 slots per load, one
+    # lane per slot and several, flat arrays and (value, index) pairs, a row
+    # of 34 edges split over work items of 16.
+    dtype, normalization, pairs = every_k_case(k)
+    monkeypatch.setattr(pyg_maxk.graph, "PAIRS_PER_ITEM", 16 * k)
+    if pairs:
+        monkeypatch.setattr(numba_ops, "PAIRS_MIN_EDGES", 0)
+    g = torch.Generator().manual_seed(k)
+    src = torch.cat([torch.arange(34) % 20, torch.randint(0, 20, (12,), generator=g)])
+    dst = torch.cat([torch.zeros(34, dtype=torch.long), torch.arange(12) % 5 + 1])
+    w = torch.rand(46, generator=g) + 0.1
+    graph = CSRGraph.from_adj(torch.stack([src, dst]).to(DEVICE), (20, 7),
+                              edge_weight=w.to(DEVICE) if normalization == "sum" else None,
+                              normalization=normalization)
+    assert bool(split_items(graph, k).any())
+    check_half_kernels(graph, 64, k, dtype, seed=k)
+
+
 @pytest.mark.parametrize("dim,k,dtype", [(40, 8, torch.bfloat16), (80, 16, torch.float16),
                                          (80, 32, torch.bfloat16), (300, 32, torch.float16),
                                          (96, 64, torch.bfloat16)])
@@ -470,7 +507,7 @@ def test_half_precision_value_index_pairs(monkeypatch, dim, k, dtype):
     # k=33 is read from the flat arrays. Forced here on a small graph.
     from pyg_maxk.kernels.spgemm import reads_pairs
     monkeypatch.setattr(numba_ops, "PAIRS_MIN_EDGES", 0)
-    monkeypatch.setattr(numba_ops, "PAIRS_PER_ITEM", 16 * k)
+    monkeypatch.setattr(pyg_maxk.graph, "PAIRS_PER_ITEM", 16 * k)
     h = random_cbsr(35, dim, k, seed=k, dtype=dtype)
     pairs = numba_ops._spgemm_operands(h.values, h.indices, num_edges=1)
     assert pairs[4] == reads_pairs(k, half=True) == (k <= 32)
@@ -479,8 +516,9 @@ def test_half_precision_value_index_pairs(monkeypatch, dim, k, dtype):
         assert torch.equal((words >> 16).to(h.indices.dtype), h.indices)
         assert torch.equal((words & 0xFFFF).to(torch.int16), h.values.view(torch.int16))
     ei = random_edge_index(35, 20, 300, seed=k).to(DEVICE)
-    check_half_kernels(CSRGraph.from_adj(ei, (35, 20), normalization="mean"), dim, k, dtype,
-                       h=h)
+    graph = CSRGraph.from_adj(ei, (35, 20), normalization="mean")
+    assert bool(split_items(graph, k).any())
+    check_half_kernels(graph, dim, k, dtype, h=h)
 
 
 @pytest.mark.parametrize("dtype", HALF)
