@@ -14,6 +14,14 @@ with the same reductions one slot (4 bytes) per lane, and the stock backward
 (cuSPARSE SpMM with the transposed adjacency). Each run adds 1.0 per edge
 and slot, so every slot ends up holding its node's out-degree: that is
 checked before timing.
+
+Sources are drawn in proportion to the degrees, so hubs take thousands of
+reductions into the same row, from warps that run at once. Whether that
+contention sets the floor is measured by the same reductions over other
+sequences of sources of the same length: the edges shuffled (the same
+sources, another order), sorted by source (each hub's reductions back to
+back), and drawn uniformly (no hubs); and by the SSpMM on a graph with the
+same rows and uniform sources.
 """
 from __future__ import annotations
 
@@ -28,6 +36,7 @@ import torch
 
 
 import pyg_maxk
+from pyg_maxk import CSRGraph
 from pyg_maxk.graph import unpack
 from pyg_maxk.kernels import cuda_module, geometry
 from pyg_maxk.kernels._vector import vector_atomic_add
@@ -66,11 +75,32 @@ def reduction_kernel(k: int, width: int):
     return reduce
 
 
+def time_reductions(run, blocks, threads, device, sources, nodes, k, width, warmup,
+                    repeats) -> float:
+    """Milliseconds of the reductions for the edge sources ``sources``,
+    checked first: every slot holds its node's count in ``sources``."""
+    kernel = reduction_kernel(k, width)
+    grad = torch.zeros(nodes * k, device=device)
+    run(kernel, blocks, threads, device, sources, grad, sources.numel())
+    expected = torch.bincount(sources.long(), minlength=nodes).float()
+    assert torch.equal(grad.view(nodes, k), expected[:, None].expand(nodes, k)), \
+        "the reductions missed or repeated slots"
+    return time_ms(lambda: run(kernel, blocks, threads, device, sources, grad,
+                               sources.numel()),
+                   device, warmup=warmup, repeats=repeats)["median_ms"]
+
+
 def main(argv=None):
     args, device, graph = ceiling_setup(__doc__, argv)
     nodes, ks, repeats = graph.num_dst, args.ks, args.repeats
     col = graph.kernel_col()
-    out_degree = torch.bincount(col.long(), minlength=nodes).float()
+    gen = torch.Generator(device=device).manual_seed(1)
+    uniform_col = torch.randint(0, nodes, (col.numel(),), device=device, generator=gen,
+                                dtype=col.dtype)
+    orders = {"shuffled": col[torch.randperm(col.numel(), device=device, generator=gen)],
+              "sorted": col.sort().values, "uniform": uniform_col}
+    uniform = CSRGraph(graph.rowptr, uniform_col, graph.weight, graph.size,
+                       graph.normalization, graph.row_scale)
     run = numba_ops.launcher()
     threads = geometry.block_threads()
     blocks = run.max_blocks(device, threads)
@@ -88,22 +118,25 @@ def main(argv=None):
         width = sspmm_vector_width(k)
         row = {"k": k, "dim": args.dim, "slots_per_reduction": width,
                "stock_backward_ms": stock_ms, "maxk_sspmm_ms": sspmm_ms}
-        for name, w in (("reduce", width), ("reduce_1slot", 1)):
-            kernel = reduction_kernel(k, w)
-            grad = torch.zeros(nodes * k, device=device)
-            run(kernel, blocks, threads, device, col, grad, col.numel())
-            assert torch.equal(grad.view(nodes, k), out_degree[:, None].expand(nodes, k)), \
-                "the reductions missed or repeated slots"
-            ms = time_ms(lambda: run(kernel, blocks, threads, device, col, grad, col.numel()),
-                         device, warmup=warmup, repeats=repeats)["median_ms"]
-            row[f"{name}_ms"] = ms
-            row[f"{name}_gbytes_per_s"] = graph.num_edges * k * 4 / ms / 1e6
+        runs = [("reduce", width, col), ("reduce_1slot", 1, col)]
+        runs += [(f"reduce_{order}", width, sources) for order, sources in orders.items()]
+        for name, w, sources in runs:
+            row[f"{name}_ms"] = time_reductions(run, blocks, threads, device, sources, nodes,
+                                                k, w, warmup, repeats)
+            row[f"{name}_gbytes_per_s"] = graph.num_edges * k * 4 / row[f"{name}_ms"] / 1e6
         row["sspmm_over_reduce"] = sspmm_ms / row["reduce_ms"]
+        operands_uniform = unpack(*uniform.operands(k))
+        row["maxk_sspmm_uniform_sources_ms"] = time_ms(
+            lambda: numba_ops.sspmm(operands_uniform, h.indices, grad_out, nodes),
+            device, warmup=warmup, repeats=repeats)["median_ms"]
         rows.append(row)
         print(f"k {k:3d}: reductions only {row['reduce_ms']:.3f} ms "
               f"({row['reduce_gbytes_per_s']:.0f} GB/s added, {width} slots each; one slot "
-              f"each {row['reduce_1slot_ms']:.3f} ms) | SSpMM {sspmm_ms:.3f} ms "
-              f"({row['sspmm_over_reduce']:.2f}x the reductions) | stock backward "
+              f"each {row['reduce_1slot_ms']:.3f} ms; shuffled / sorted / uniform sources "
+              f"{row['reduce_shuffled_ms']:.3f} / {row['reduce_sorted_ms']:.3f} / "
+              f"{row['reduce_uniform_ms']:.3f} ms) | SSpMM {sspmm_ms:.3f} ms "
+              f"({row['sspmm_over_reduce']:.2f}x the reductions; uniform sources "
+              f"{row['maxk_sspmm_uniform_sources_ms']:.3f} ms) | stock backward "
               f"{stock_ms:.3f} ms", flush=True)
     name = "reduction_ceiling-tiny" if args.tiny else "reduction_ceiling"
     payload = {"benchmark": "reduction_ceiling", "environment": environment(device),
@@ -113,7 +146,9 @@ def main(argv=None):
 
 def plot(rows, path, hardware):
     plot_ms_against_k(rows, (("maxk_sspmm_ms", "MaxK SSpMM"),
+                             ("maxk_sspmm_uniform_sources_ms", "MaxK SSpMM, uniform sources"),
                              ("reduce_ms", "its reductions only"),
+                             ("reduce_uniform_ms", "its reductions, uniform sources"),
                              ("reduce_1slot_ms", "its reductions, one slot each"),
                              ("stock_backward_ms", "stock backward (cuSPARSE, A^T)")),
                       f"SSpMM vs its reduction floor, {hardware}", path)

@@ -73,8 +73,8 @@ from pyg_maxk.app.datasets import PRESETS, power_law_edge_index
 from pyg_maxk.nn import MaxKGCN, MaxKGIN, MaxKGraphSAGE
 from pyg_maxk.app.training import flush_denormals
 
-from common import (RESULTS, check_against_torch_backend, environment, pyplot,
-                    rel_error, time_interleaved, time_ms, write_json)
+from common import (RESULTS, check_against_torch_backend, environment, paired_speedup,
+                    pyplot, rel_error, time_interleaved, time_ms, write_json)
 
 MODELS = {"sage": MaxKGraphSAGE, "gcn": MaxKGCN, "gin": MaxKGIN}
 #: Each model's conv arguments (both sides) and the normalisation of its graph.
@@ -380,6 +380,7 @@ def run_workload(name: str, models, forms, ks, device, repeats, scale,
                 kind, data, layers, ran, ks, device, rounds=max(3, 6 * repeats),
                 compile_modes=compile_modes)
         summarise(entry)
+        _report_paired(kind, entry)
         result["models"][kind] = entry
     del data, ei, x, y
     clear_graph_cache()
@@ -428,6 +429,16 @@ def _report(kind, label, t) -> None:
         print(f"  {kind:5s} {label:30s} {t['median_ms']:10.2f} ms{mem}", flush=True)
 
 
+def _report_paired(kind, entry) -> None:
+    for k, m in entry["maxk"].items():
+        best = m.get("vs_fastest_stock_interleaved", {})
+        if "paired" in best:
+            lo, hi = best["paired"]["ci95"]
+            print(f"  {kind:5s} MaxK k={k} vs {best['form']} (interleaved, paired by round): "
+                  f"{best['paired']['speedup']:.3f}x, 95% interval {lo:.3f}-{hi:.3f}x",
+                  flush=True)
+
+
 def summarise(entry) -> None:
     """Speedups of every MaxK run over every stock form, and the Amdahl limit."""
     outside = entry["stock_outside_mp"].get("median_ms")
@@ -446,12 +457,17 @@ def summarise(entry) -> None:
         t = side.get(f"maxk k={k}")
         if isinstance(t, dict) and "median_ms" in m:
             m["speedup_interleaved"] = {form: s / t["median_ms"] for form, s in stock_side.items()}
+            m["paired_speedup_interleaved"] = {
+                form: paired_speedup(side[f"stock {form}"], t) for form in stock_side}
     for k, m in entry["maxk"].items():
         for key, by_form in (("vs_fastest_stock", m.get("speedup")),
                              ("vs_fastest_stock_interleaved", m.get("speedup_interleaved"))):
             if by_form:  # the slowest-to-beat stock form is the one with the least speedup
                 form = min(by_form, key=by_form.get)
                 m[key] = {"form": form, "speedup": by_form[form]}
+                paired = m.get("paired_speedup_interleaved", {}).get(form)
+                if key.endswith("interleaved") and paired:
+                    m[key]["paired"] = paired
     if outside:
         entry["amdahl_limit"] = {form: s["median_ms"] / outside
                                  for form, s in entry["stock"].items() if "median_ms" in s}
