@@ -41,7 +41,8 @@ out = {}
 for name, kernel in kernels.items():
     cells = tuple(c.cell_contents for c in kernel.py_func.__closure__ or ())
     out[name] = [type(kernel._cache).__name__, kernel._cache.cache_path,
-                 hashlib.sha256(dumps(cells)).hexdigest()]
+                 hashlib.sha256(dumps(cells)).hexdigest(),
+                 type(getattr(kernel._cache, "_cache_file", None)).__name__]
 print(json.dumps(out))
 """
 
@@ -58,22 +59,55 @@ def probe(cache_env: str) -> dict:
 def test_kernel_keys_are_the_same_in_every_process(tmp_path):
     first, second = probe(str(tmp_path)), probe(str(tmp_path))
     assert first == second  # the closure hashes included: a new process finds the entries
-    for cache_class, path, _ in first.values():
-        assert cache_class == "PackageCache"
+    for cache_class, path, _, file_class in first.values():
+        assert cache_class == "PackageCache" and file_class == "KeyedCacheFile"
         assert Path(path).parent == tmp_path and Path(path).name.startswith("kernels-")
-    hashes = [h for _, _, h in first.values()]
+    hashes = [h for _, _, h, _ in first.values()]
     assert len(set(hashes)) == len(hashes)  # each specialisation has its own key
 
 
+# Saves 40 entries of one kernel (one cache file set) under keys of its own.
+WRITER = r"""
+import sys
+from pyg_maxk.kernels import _cache
+entries = _cache.keyed_cache_file_class()(sys.argv[1], "kernel-7", "stamp")
+worker = int(sys.argv[2])
+for i in range(40):
+    entries.save(("signature", worker, i), ("binary", worker, i))
+"""
+
+
+def test_processes_saving_one_kernel_at_once_never_load_each_others_entries(tmp_path):
+    # Numba's numbered files let two processes that compile specialisations
+    # of one kernel at once take the same file: later, one loads the other's.
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env["PYTHONPATH"] = str(ROOT)
+    writers = [subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), str(w)],
+                                env=env, cwd=ROOT) for w in range(4)]
+    assert [w.wait(timeout=300) for w in writers] == [0] * 4
+    entries = _cache.keyed_cache_file_class()(str(tmp_path), "kernel-7", "stamp")
+    for w in range(4):
+        for i in range(40):
+            assert entries.load(("signature", w, i)) == ("binary", w, i)
+    assert entries.load(("signature", 9, 0)) is None
+    # A file that holds another key's entry (as under numba's layout) is not loaded.
+    shutil.copy(Path(tmp_path) / entries._entry_name(("signature", 0, 0)),
+                Path(tmp_path) / entries._entry_name(("signature", 9, 0)))
+    assert entries.load(("signature", 9, 0)) is None
+    # Another source stamp (changed kernels) finds nothing.
+    stale = _cache.keyed_cache_file_class()(str(tmp_path), "kernel-7", "other")
+    assert stale.load(("signature", 0, 0)) is None
+
+
 def test_cache_can_be_switched_off(tmp_path):
-    for _, path, _ in probe("0").values():
+    for _, path, _, _ in probe("0").values():
         assert path is None  # numba-cuda's NullCache: compiled in every process
 
 
 def test_unwritable_root_leaves_kernels_uncached(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    for cache_class, path, _ in probe(str(blocker / "cache")).values():
+    for cache_class, path, _, _ in probe(str(blocker / "cache")).values():
         assert cache_class == "NullCache" and path is None
 
 

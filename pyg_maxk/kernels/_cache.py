@@ -16,6 +16,13 @@ whole kernel package:
   loads a binary compiled for this one), and hashes of the kernel's bytecode
   and of its closure (the specialisation constants and the device functions,
   pickled by value).
+* **Files:** one file per entry, named by a hash of its key and holding the
+  key, written to a temporary name and renamed into place; a load checks the
+  key it finds. Numba's own layout (an index per function mapping keys to
+  numbered files) numbers a new entry from the index it read: two processes
+  compiling two specialisations of one kernel at once (the ranks of a DDP
+  job, test workers) both take the next number, and one of them later loads
+  the other's kernel -- a wrong kernel, silently.
 * **Root:** ``$PYG_MAXK_KERNEL_CACHE`` if set, else
   ``$XDG_CACHE_HOME/pyg_maxk`` (``~/.cache/pyg_maxk``). Set the variable to
   ``0`` to compile in every process. Deleting the directory is always safe.
@@ -28,6 +35,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import pickle
 import uuid
 from pathlib import Path
 from typing import Optional
@@ -108,7 +116,39 @@ def _cache_class():
     class PackageCache(CUDACache):
         _impl_class = PackageCacheImpl
 
+        def __init__(self, py_func):
+            super().__init__(py_func)
+            self._cache_file = keyed_cache_file_class()(
+                self._cache_path, self._impl.filename_base, sources_digest())
+
     return PackageCache
+
+
+@functools.lru_cache(maxsize=None)
+def keyed_cache_file_class():
+    """The cache's file layout (see **Files** above): numba-cuda's
+    ``IndexDataCacheFile`` with one self-describing file per key."""
+    from numba.cuda.core.caching import IndexDataCacheFile
+
+    class KeyedCacheFile(IndexDataCacheFile):
+        def _identity(self, key) -> str:
+            return f"{self._source_stamp}|{key!r}"
+
+        def _entry_name(self, key) -> str:
+            digest = hashlib.sha256(self._identity(key).encode()).hexdigest()[:32]
+            return self._data_name_pattern.replace("{number:d}", digest)
+
+        def save(self, key, data):
+            self._save_data(self._entry_name(key), (self._identity(key), data))
+
+        def load(self, key):
+            try:
+                identity, data = self._load_data(self._entry_name(key))
+            except (OSError, EOFError, ValueError, TypeError, pickle.UnpicklingError):
+                return None  # absent, or cut short: compile again
+            return data if identity == self._identity(key) else None
+
+    return KeyedCacheFile
 
 
 def attach_cache(dispatcher):
