@@ -66,26 +66,39 @@ def test_kernel_keys_are_the_same_in_every_process(tmp_path):
     assert len(set(hashes)) == len(hashes)  # each specialisation has its own key
 
 
-# Saves 40 entries of one kernel (one cache file set) under keys of its own.
+# Saves 40 entries of one kernel (one cache file set) under keys of its own,
+# in the files of the CUDA kernels or (argv[3] == "cpu") of the CPU ones.
 WRITER = r"""
 import sys
 from pyg_maxk.kernels import _cache
-entries = _cache.keyed_cache_file_class()(sys.argv[1], "kernel-7", "stamp")
+base = ()
+if sys.argv[3] == "cpu":
+    from numba.core.caching import IndexDataCacheFile
+    base = (IndexDataCacheFile,)
+entries = _cache.keyed_cache_file_class(*base)(sys.argv[1], "kernel-7", "stamp")
 worker = int(sys.argv[2])
 for i in range(40):
     entries.save(("signature", worker, i), ("binary", worker, i))
 """
 
 
-def test_processes_saving_one_kernel_at_once_never_load_each_others_entries(tmp_path):
+def _file_class(target):
+    if target == "cpu":  # Numba's own cache classes, as the CPU kernels use
+        from numba.core.caching import IndexDataCacheFile
+        return _cache.keyed_cache_file_class(IndexDataCacheFile)
+    return _cache.keyed_cache_file_class()
+
+
+@pytest.mark.parametrize("target", ["cuda", "cpu"])
+def test_processes_saving_one_kernel_at_once_never_load_each_others_entries(tmp_path, target):
     # Numba's numbered files let two processes that compile specialisations
     # of one kernel at once take the same file: later, one loads the other's.
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     env["PYTHONPATH"] = str(ROOT)
-    writers = [subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), str(w)],
+    writers = [subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), str(w), target],
                                 env=env, cwd=ROOT) for w in range(4)]
     assert [w.wait(timeout=300) for w in writers] == [0] * 4
-    entries = _cache.keyed_cache_file_class()(str(tmp_path), "kernel-7", "stamp")
+    entries = _file_class(target)(str(tmp_path), "kernel-7", "stamp")
     for w in range(4):
         for i in range(40):
             assert entries.load(("signature", w, i)) == ("binary", w, i)
@@ -95,8 +108,37 @@ def test_processes_saving_one_kernel_at_once_never_load_each_others_entries(tmp_
                 Path(tmp_path) / entries._entry_name(("signature", 9, 0)))
     assert entries.load(("signature", 9, 0)) is None
     # Another source stamp (changed kernels) finds nothing.
-    stale = _cache.keyed_cache_file_class()(str(tmp_path), "kernel-7", "other")
+    stale = _file_class(target)(str(tmp_path), "kernel-7", "other")
     assert stale.load(("signature", 0, 0)) is None
+
+
+# Runs the CPU backend's top-k selection and prints its kernel's cache
+# statistics and file layout.
+CPU_PROBE = r"""
+import json, torch, pyg_maxk
+from pyg_maxk.kernels import cpu
+with pyg_maxk.use_backend("cpu"):
+    h = pyg_maxk.maxk(torch.randn(50, 16), 4)
+stats = cpu.select_rows.stats
+print(json.dumps([type(cpu.select_rows._cache._cache_file).__name__,
+                  sum(stats.cache_hits.values()), sum(stats.cache_misses.values())]))
+"""
+
+
+def test_cpu_kernels_load_from_their_cache_in_a_new_process(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env.update(NUMBA_CACHE_DIR=str(tmp_path), PYTHONPATH=str(ROOT))
+
+    def run():
+        proc = subprocess.run([sys.executable, "-c", CPU_PROBE], capture_output=True,
+                              text=True, env=env, cwd=ROOT, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    cold, warm = run(), run()
+    assert cold[0] == warm[0] == "KeyedCacheFile"
+    assert cold[1] == 0 and cold[2] >= 1  # compiled, then saved
+    assert warm[1] >= 1 and warm[2] == 0  # loaded from its file
 
 
 def test_cache_can_be_switched_off(tmp_path):

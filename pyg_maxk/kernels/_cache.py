@@ -22,7 +22,9 @@ whole kernel package:
   numbered files) numbers a new entry from the index it read: two processes
   compiling two specialisations of one kernel at once (the ranks of a DDP
   job, test workers) both take the next number, and one of them later loads
-  the other's kernel -- a wrong kernel, silently.
+  the other's kernel -- a wrong kernel, silently. The CPU kernels keep
+  Numba's own cache (``njit(cache=True)``, stamped by their file) in this
+  layout too (:func:`keyed_files`).
 * **Root:** ``$PYG_MAXK_KERNEL_CACHE`` if set, else
   ``$XDG_CACHE_HOME/pyg_maxk`` (``~/.cache/pyg_maxk``). Set the variable to
   ``0`` to compile in every process. Deleting the directory is always safe.
@@ -124,13 +126,28 @@ def _cache_class():
     return PackageCache
 
 
-@functools.lru_cache(maxsize=None)
-def keyed_cache_file_class():
-    """The cache's file layout (see **Files** above): numba-cuda's
-    ``IndexDataCacheFile`` with one self-describing file per key."""
-    from numba.cuda.core.caching import IndexDataCacheFile
+def keyed_files(dispatcher):
+    """Give a CPU kernel (``numba.njit(cache=True)``, Numba's own cache and
+    locator) the same one-file-per-entry layout. Returns the dispatcher."""
+    cache = getattr(dispatcher, "_cache", None)
+    files = getattr(cache, "_cache_file", None)
+    if files is not None and hasattr(files, "_index_name"):
+        from numba.core.caching import IndexDataCacheFile
+        base = files._index_name[:-len(".nbi")]
+        cache._cache_file = keyed_cache_file_class(IndexDataCacheFile)(
+            files._cache_path, base, files._source_stamp)
+    return dispatcher
 
-    class KeyedCacheFile(IndexDataCacheFile):
+
+@functools.lru_cache(maxsize=None)
+def keyed_cache_file_class(base=None):
+    """The cache's file layout (see **Files** above): Numba's
+    ``IndexDataCacheFile`` (numba-cuda's, or ``base``) with one
+    self-describing file per key."""
+    if base is None:
+        from numba.cuda.core.caching import IndexDataCacheFile as base
+
+    class KeyedCacheFile(base):
         def _identity(self, key) -> str:
             return f"{self._source_stamp}|{key!r}"
 

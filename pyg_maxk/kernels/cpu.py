@@ -20,6 +20,7 @@ They compute in the features' dtype (float32 or float64).
 """
 from __future__ import annotations
 
+from ._cache import keyed_files
 from ._numba import patch_numpy
 
 patch_numpy()  # before Numba reads numpy
@@ -37,6 +38,7 @@ SELECT_BISECTIONS = 16
 _LINEAR_FASTMATH = {"reassoc", "contract"}
 
 
+@keyed_files
 @njit(parallel=True, cache=True)
 def spgemm_rows(rowptr, col, weight, weighted, values, indices, out):
     """``out[r] += sum over edges (c -> r) of a_e * row c of the CBSR``
@@ -50,6 +52,7 @@ def spgemm_rows(rowptr, col, weight, weighted, values, indices, out):
                 out[r, indices[c, j]] += a * values[c, j]
 
 
+@keyed_files
 @njit(parallel=True, cache=True)
 def sspmm_rows(colptr, row, weight_t, weighted, indices, grad_out, grad_values):
     """``grad_values[c, j] += sum over edges (c -> r) of a_e * grad_out[r, indices[c, j]]``,
@@ -63,6 +66,7 @@ def sspmm_rows(colptr, row, weight_t, weighted, indices, grad_out, grad_values):
                 grad_values[c, j] += a * grad_out[r, indices[c, j]]
 
 
+@keyed_files
 @njit(parallel=True, cache=True)
 def sddmm_rows(rowptr, col, values, indices, grad_out, grad_weight):
     """``grad_weight[e] = sum_j values[c, j] * grad_out[r, indices[c, j]]`` for
@@ -77,6 +81,7 @@ def sddmm_rows(rowptr, col, values, indices, grad_out, grad_weight):
             grad_weight[e] = acc
 
 
+@keyed_files
 @njit(cache=True, inline="always")
 def _kth_smallest(a, m, kth):
     """Permute ``a[:m]`` so that ``a[kth]`` is its kth smallest (0-based;
@@ -109,6 +114,7 @@ def _kth_smallest(a, m, kth):
     return a[kth]
 
 
+@keyed_files
 @njit(parallel=True, cache=True)
 def select_rows(x, k, indices):
     """Write into ``indices[N, k]`` the columns of the ``k`` largest entries of
@@ -207,6 +213,7 @@ def select_rows(x, k, indices):
                 indices[r, j] = cols[j]
 
 
+@keyed_files
 @njit(parallel=True, fastmath=_LINEAR_FASTMATH, cache=True)
 def linear_rows(values, indices, weight_t, bias, has_bias, out):
     """``out[N, out] = h @ W^T (+ bias)`` for the CBSR ``h = (values,
@@ -226,6 +233,7 @@ def linear_rows(values, indices, weight_t, bias, has_bias, out):
                 row[o] += v * w[o]
 
 
+@keyed_files
 @njit(parallel=True, fastmath=_LINEAR_FASTMATH, cache=True)
 def linear_input_grad_rows(grad_out, indices, weight_t, grad_values):
     """``grad_values[i, s] = grad_out[i] . weight_t[indices[i, s]]``: the
@@ -242,6 +250,7 @@ def linear_input_grad_rows(grad_out, indices, weight_t, grad_values):
             grad_values[i, s] = acc
 
 
+@keyed_files
 @njit(parallel=True, fastmath=_LINEAR_FASTMATH, cache=True)
 def linear_weight_grad_parts(grad_out, values, indices, parts):
     """``parts[p] = (grad_out^T @ h)^T`` over the ``p``-th of
