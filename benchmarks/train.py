@@ -5,7 +5,7 @@
     python benchmarks/train.py --graphs reddit --models sage --k 8,32
     python benchmarks/train.py --device cpu --graphs reddit --scale 0.02 --forms edge_index,csr
     python benchmarks/train.py --graphs products --models sage --tf32   # TF32 matmuls, both sides
-    python benchmarks/train.py --graphs cora --compile default,reduce-overhead
+    python benchmarks/train.py --graphs cora --compile default,reduce-overhead,cuda-graph
     python benchmarks/train.py --graphs reddit,products --models sage --autocast bf16
 
 For every graph and model (SAGE, GCN, GIN: an input linear map, L convs of
@@ -27,6 +27,11 @@ cross-entropy, backward, optimizer step)
   model on a graph prepared by :class:`pyg_maxk.ToCSRGraph` with
   ``fullgraph=True``; each after checking that the compiled model's output
   and gradients match eager's, and with its first (compiling) step timed;
+  the mode ``cuda-graph`` (GPU only) instead captures the whole eager step
+  (forward, loss, backward, ``Adam(capturable=True)``) in one
+  ``torch.cuda.graph`` on both sides and times its replay, after checking
+  the replayed loss against eager's: the GPU time of the step, with no host
+  time at all, reported as ``captured step``;
 * with ``--autocast bf16`` (or ``fp16``), of the MaxK model under
   ``torch.autocast`` (checked against the ``"torch"`` backend under the same
   autocast), and of the stock model in every form both in float32 and under
@@ -119,7 +124,8 @@ def parse_args(argv=None):
     p.add_argument("--tf32", action="store_true",
                    help="allow TF32 in float32 matmuls (both sides; default: IEEE float32)")
     p.add_argument("--compile", default="",
-                   help="torch.compile modes to time too, e.g. default,reduce-overhead")
+                   help="torch.compile modes to time too, e.g. default,reduce-overhead; "
+                        "cuda-graph: the whole step captured in one CUDA graph (GPU)")
     p.add_argument("--autocast", choices=sorted(AUTOCAST), default=None,
                    help="also time both models under torch.autocast with this dtype")
     p.add_argument("--out", default=str(RESULTS))
@@ -256,11 +262,23 @@ def prepared_graph(kind: str, edge_index, n: int, k: int):
         Data(edge_index=edge_index, num_nodes=n)).adj_t
 
 
+#: The ``--compile`` mode that captures the whole step in a CUDA graph.
+CAPTURE = "cuda-graph"
+
+
+def variant(mode: str) -> str:
+    """The label of a ``--compile`` mode's runs in the JSON."""
+    return "captured step" if mode == CAPTURE else f"compiled {mode}"
+
+
 def compiled_step(model, x, adj, y, mode: str):
     """An epoch step of ``torch.compile(model, mode=mode)`` (fullgraph on a
     prepared MaxK graph), after checking that the compiled model's output
-    and gradients equal eager's; returns (step, seconds of its first call)."""
+    and gradients equal eager's; returns (step, seconds of its first call).
+    Mode :data:`CAPTURE`: :func:`captured_step`."""
     import time
+    if mode == CAPTURE:
+        return captured_step(model, x, adj, y)
     torch._dynamo.reset()
     if mode == "reduce-overhead":
         # Full-batch features never change: as a static input, CUDA graphs
@@ -278,6 +296,47 @@ def compiled_step(model, x, adj, y, mode: str):
     check_compiled(model, compiled, x, adj, y, cudagraphs)
     sync()
     return step, time.perf_counter() - start  # includes one eager step (the check)
+
+
+def captured_step(model, x, adj, y):
+    """The replay of one CUDA graph holding a whole training step (zero_grad,
+    forward, cross-entropy, backward, ``Adam(capturable=True)``), after
+    checking that a replay's loss equals an eager forward's at the same
+    parameters; returns (replay, seconds from warm-up to that check)."""
+    import time
+    if not x.is_cuda:
+        raise RuntimeError("a CUDA-graph capture needs a GPU")
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, capturable=True)
+    step = epoch_fn(model, opt, x, adj, y)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: kernels compiled, caches built
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.zero_grad(set_to_none=True)
+        loss = forward_loss(model, x, adj, y)
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        expected = forward_loss(model, x, adj, y)
+    graph.replay()
+    error = rel_error(loss.detach(), expected)
+    assert error < MODEL_RTOL, f"captured step's loss differs from eager's ({error:.2g})"
+    torch.cuda.synchronize()
+    # The graph reads and writes memory it does not own (parameters, Adam's
+    # state, the inputs): the replay holds them for as long as it lives.
+    held = (model, opt, x, adj, y, loss)
+
+    def replay():
+        graph.replay()
+        return held
+
+    return replay, time.perf_counter() - start
 
 
 def check_compiled(model, compiled, x, adj, y, cudagraphs: bool) -> None:
@@ -362,18 +421,19 @@ def run_workload(name: str, models, forms, ks, device, repeats, scale,
                 entry["maxk"][str(k) + suffix] = t
                 _report(kind, f"MaxK k={k}{suffix}", t)
         for mode in compile_modes:
-            entry["stock"][f"compiled {mode}"] = guarded(
+            label = variant(mode)
+            entry["stock"][label] = guarded(
                 lambda: time_compiled(stock_model(), x, ei, y, device, repeats, mode),
-                f"{kind} stock compiled {mode}")
-            _report(kind, f"stock compiled {mode}", entry["stock"][f"compiled {mode}"])
+                f"{kind} stock {label}")
+            _report(kind, f"stock {label}", entry["stock"][label])
             for k in ks:
                 torch.manual_seed(0)
                 model = cls(x.size(1), HIDDEN, layers, data["num_classes"], k=k,
                             **CONV_KWARGS[kind]).to(device)
                 adj = prepared_graph(kind, ei, n, k)
                 t = time_compiled(model, x, adj, y, device, repeats, mode)
-                entry["maxk"][f"{k} compiled {mode}"] = t
-                _report(kind, f"MaxK k={k} compiled {mode}", t)
+                entry["maxk"][f"{k} {label}"] = t
+                _report(kind, f"MaxK k={k} {label}", t)
         if name in HOST_BOUND:
             ran = [form for form in forms if "median_ms" in entry["stock"].get(form, {})]
             entry["interleaved"] = time_side_by_side(
@@ -409,12 +469,13 @@ def time_side_by_side(kind, data, layers, forms, ks, device, rounds,
     for k in ks:
         steps[f"maxk k={k}"] = eager(model(k), ei)
     for mode in compile_modes:
+        label = variant(mode)
         stock = guarded(lambda: compiled_step(model(None), x, ei, y, mode)[0],
-                        f"stock compiled {mode}")
+                        f"stock {label}")
         if callable(stock):
-            steps[f"stock compiled {mode}"] = stock
+            steps[f"stock {label}"] = stock
         for k in ks:
-            steps[f"maxk k={k} compiled {mode}"] = compiled_step(
+            steps[f"maxk k={k} {label}"] = compiled_step(
                 model(k), x, prepared_graph(kind, ei, n, k), y, mode)[0]
     times = guarded(lambda: time_interleaved(steps, device, rounds=rounds), "interleaved")
     for label, t in times.items():
@@ -485,6 +546,8 @@ def main(argv=None):
     forms = args.forms.split(",")
     ks = [int(k) for k in args.k.split(",")]
     compile_modes = [m for m in args.compile.split(",") if m]
+    if CAPTURE in compile_modes and device.type != "cuda":
+        raise SystemExit(f"--compile {CAPTURE} captures CUDA graphs: it needs a GPU")
     if device.type == "cpu":  # for both sides, before torch's threads start
         flush_denormals(device)
     torch.backends.cuda.matmul.allow_tf32 = args.tf32
