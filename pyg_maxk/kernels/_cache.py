@@ -120,8 +120,7 @@ def _cache_class():
 
         def __init__(self, py_func):
             super().__init__(py_func)
-            self._cache_file = keyed_cache_file_class()(
-                self._cache_path, self._impl.filename_base, sources_digest())
+            self._cache_file = _keyed(self._cache_file, keyed_cache_file_class())
 
     return PackageCache
 
@@ -133,10 +132,15 @@ def keyed_files(dispatcher):
     files = getattr(cache, "_cache_file", None)
     if files is not None and hasattr(files, "_index_name"):
         from numba.core.caching import IndexDataCacheFile
-        base = files._index_name[:-len(".nbi")]
-        cache._cache_file = keyed_cache_file_class(IndexDataCacheFile)(
-            files._cache_path, base, files._source_stamp)
+        cache._cache_file = _keyed(files, keyed_cache_file_class(IndexDataCacheFile))
     return dispatcher
+
+
+def _keyed(files, keyed_class):
+    """``files`` (Numba's ``IndexDataCacheFile`` of one function) in
+    ``keyed_class``'s layout: the same directory, names and source stamp."""
+    return keyed_class(files._cache_path, files._index_name[:-len(".nbi")],
+                       files._source_stamp)
 
 
 @functools.lru_cache(maxsize=None)
