@@ -11,6 +11,13 @@ on the shapes MaxK sees (measured in ``benchmarks/kernels.py``). On sm_80 and
 later a warp-wide count is one ``redux.sync`` instead of five shuffle-add
 steps.
 
+A half-precision row is ranked by the float32 key's upper bits alone: the
+lower 16 (bfloat16) or 13 (float16) are the same for every value of that
+type with the same upper bits (zeros for numbers at or above zero, ones
+below), so 16 or 19 bits are selected over instead of 32. Ties are common
+among half values, and a row with a tie at ``T`` never stops early: this
+shortens exactly the longest selections.
+
 The kernel keeps every key above ``T`` and, among the keys equal to ``T``,
 the lowest columns. As in :func:`torch.topk`, NaN ranks above every number
 and ``-0.0`` ties with ``0.0``.
@@ -81,6 +88,9 @@ def select_kernel(dim: int, k: int, rows_per_block: int, redux: bool = False,
     if per_lane > WARP:  # a lane's kept entries are the bits of one uint32
         raise ValueError(f"dim={dim} is too wide for the select kernel (at most {WARP * WARP})")
     order_key = _order_key()
+    # The key bits below a half type's precision carry nothing (module docs).
+    unused_bits = {"bf16": 16, "fp16": 13}.get(half, 0)
+    key_shift, top_bit = uint32(unused_bits), 31 - unused_bits
     count_all, rank, lanes_below = warp_sum(redux), warp_rank(), warp_exclusive_sum()
     kk, d32, w32, zero, one = uint32(k), uint32(dim), uint32(WARP), uint32(0), uint32(1)
     rpb = uint32(rows_per_block)
@@ -101,13 +111,13 @@ def select_kernel(dim: int, k: int, rows_per_block: int, redux: bool = False,
                     if c >= d32:
                         keys[m] = zero  # below every key
                     elif is_half:
-                        keys[m] = order_key(key_bits(x_bits[row, c]))
+                        keys[m] = order_key(key_bits(x_bits[row, c])) >> key_shift
                     else:
                         keys[m] = order_key(x_bits[row, c])
                 # threshold = the largest T with at least k keys >= T
                 threshold = zero
                 exact = False  # exactly k keys >= threshold: no ties to break
-                for bit in range(31, -1, -1):
+                for bit in range(top_bit, -1, -1):
                     # uint32 again: Numba widens integer arithmetic to 64 bits,
                     # and 64-bit compares cost two instructions each.
                     candidate = uint32(threshold | (one << uint32(bit)))

@@ -188,8 +188,11 @@ def value_index_pairs(values: Tensor, indices: Tensor) -> Tensor:
     value's 16-bit pattern in the low half of each word and the index
     (below 2**16) in the high half."""
     if values.dtype in HALF_KINDS:
-        bits = values.detach().contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
-        return bits | (indices.to(torch.int32) << 16)
+        # Two 16-bit halves per word, written by two copies (no temporaries).
+        halves = torch.empty(*values.shape, 2, dtype=torch.int16, device=values.device)
+        halves[..., 0] = values.detach().view(torch.int16)
+        halves[..., 1] = indices
+        return halves.view(torch.int32).view(values.shape)
     pairs = torch.empty(*values.shape, 2, dtype=KERNEL_DTYPE, device=values.device)
     pairs[..., 0] = values.detach()
     pairs[..., 1] = indices
