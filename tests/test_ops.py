@@ -163,9 +163,12 @@ def test_edge_value_gradient_against_float64(backend, dim, k, monkeypatch):
     float64 dense reference, on rows split across work items, a bipartite
     graph, multi-edges and self-loops, and the empty edge set; ``k`` with 1,
     2 and 4 slots per load, groups of lanes wider than ``k`` and several
-    chunks per lane (k=160)."""
+    chunks per lane (k=160); the torch backend over chunks of 7 edges (the
+    last one shorter)."""
     import pyg_maxk.graph
+    from pyg_maxk.ops import torch_ops
     monkeypatch.setattr(pyg_maxk.graph, "PAIRS_PER_ITEM", 16 * k)  # rows of > 16 edges split
+    monkeypatch.setattr(torch_ops, "SDDMM_CHUNK_ENTRIES", 7 * k + 3)
     dtype = torch.float64 if backend != "numba" else torch.float32
     for num_src, num_dst, num_edges in ((30, 30, 400), (9, 7, 25), (6, 5, 0)):
         ei = random_edge_index(num_src, num_dst, num_edges, seed=1).to(DEVICE)
