@@ -44,7 +44,7 @@ from pyg_maxk.kernels._numba import simulator_enabled
 from pyg_maxk.kernels._vector import _element_pointer, vector_atomic_add
 from pyg_maxk.ops import numba_ops
 
-from common import ceiling_setup, environment, rel_error, save, time_ms
+from common import ceiling_setup, environment, pyplot, rel_error, save, time_ms
 
 cuda = cuda_module()
 from numba import uint32  # noqa: E402 (after the numpy shim)
@@ -267,7 +267,6 @@ def main(argv=None):
 
 
 def plot(rows, path, hardware):
-    from common import pyplot
     plt = pyplot()
     if plt is None:
         return
