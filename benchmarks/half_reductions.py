@@ -1,4 +1,4 @@
-"""Would packed half-precision reductions lift the backward SSpMM, and at what error?
+"""What packed half-precision reductions do to the backward SSpMM: speed and error.
 
     python benchmarks/half_reductions.py          # GPU, Reddit-shaped graph, k=32
     python benchmarks/half_reductions.py --tiny   # CPU smoke run (Numba's simulator)
@@ -8,10 +8,12 @@ edge (``reduction_ceiling.py``). sm_90 has packed half reductions
 (``red.global.add.noftz.v4.bf16x2`` and ``.f16x2``: 8 slots in one 16-byte
 reduction) that would halve those bytes, but each of them rounds the running
 sum to the half type, so a gradient entry summed over ``d`` edges is rounded
-``d`` times instead of once. The package keeps float32 reductions; this
-benchmark measures both sides of the trade it declines.
+``d`` times instead of once. The package keeps float32 reductions unless
+the user allows packed ones (:func:`pyg_maxk.allow_half_reductions`); this
+benchmark measures both sides of that trade, on the package's SSpMM both
+ways and on a probe kernel.
 
-One probe kernel, written for the purpose, computes the SSpMM: one thread per
+The probe, written for the purpose, computes the SSpMM: one thread per
 (edge ``r <- s``, 8 slots) adds ``a_e * grad_out[r, indices[s, j]]`` into
 ``s``'s gradient row, through two float32 vector reductions or one packed
 half reduction, with ``grad_out`` in the half type either way. Its float32
@@ -20,8 +22,8 @@ stands for what packed reductions would do to the package's kernel. Each
 result is compared with the float64 product of the same half-rounded
 ``grad_out`` (norm-relative error, overall and on the hub rows: the 1% of
 sources with the most out-edges, where a half-precision sum loses most),
-next to the package's SSpMM (float32 sums rounded once to the half type)
-and the stock backward (cuSPARSE with the transposed adjacency, float32).
+next to the package's SSpMM (float32 sums rounded once to the half type, or
+packed half sums) and the stock backward (cuSPARSE with the transposed adjacency, float32).
 The probe's two forms are also timed with every term a constant, without
 the index and ``grad_out`` loads: the reductions' own floor.
 """
@@ -41,7 +43,8 @@ from pyg_maxk.graph import unpack
 from pyg_maxk.kernels import cuda_module, geometry
 from pyg_maxk.kernels._half import widen
 from pyg_maxk.kernels._numba import simulator_enabled
-from pyg_maxk.kernels._vector import _element_pointer, vector_atomic_add
+from pyg_maxk.kernels._vector import (PACKED_HALF_SLOTS as SLOTS, packed_half_atomic_add,
+                                      vector_atomic_add)
 from pyg_maxk.ops import numba_ops
 
 from common import ceiling_setup, environment, pyplot, rel_error, save, time_ms
@@ -49,80 +52,7 @@ from common import ceiling_setup, environment, pyplot, rel_error, save, time_ms
 cuda = cuda_module()
 from numba import uint32  # noqa: E402 (after the numpy shim)
 
-SLOTS = 8          # slots per thread: one 16-byte packed half reduction
 HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-# ------------------------------------------------------ packed reductions
-@functools.lru_cache(maxsize=None)
-def packed_half_add(kind: str):
-    """``add(words, w, v0, ..., v7)``: rounds the eight float32 ``v`` to the
-    ``kind`` half and adds them to the four packed half pairs
-    ``words[w:w + 4]`` (a uint32 view; ``w`` a multiple of 4) with one
-    ``red.global.add.noftz.v4`` reduction, each pair's sum rounded to the
-    half type."""
-    if simulator_enabled():
-        return _simulated_packed_add(kind)
-    from llvmlite import ir
-    from numba.core import types
-    from numba.cuda.extending import intrinsic
-
-    packed = "bf16x2" if kind == "bf16" else "f16x2"
-    # cvt.rn.<packed>.f32 d, a, b puts a in the upper half: the later slot.
-    cvts = " ".join(f"cvt.rn.{packed}.f32 p{j}, ${2 * j + 2}, ${2 * j + 1};" for j in range(4))
-    asm_text = (f"{{ .reg .b32 p0, p1, p2, p3; {cvts} "
-                f"red.global.add.noftz.v4.{packed} [$0], {{p0, p1, p2, p3}}; }}")
-    constraints = "l," + ",".join("f" * SLOTS) + ",~{memory}"
-
-    @intrinsic
-    def add(typingctx, words, w, v0, v1, v2, v3, v4, v5, v6, v7):
-        f32 = types.float32
-
-        def codegen(context, builder, sig, args):
-            ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-            fn = ir.FunctionType(ir.VoidType(), [ptr.type] + [ir.FloatType()] * SLOTS)
-            builder.call(ir.InlineAsm(fn, asm_text, constraints, side_effect=True),
-                         [ptr] + list(args[2:]))
-            return context.get_dummy_value()
-
-        return types.void(words, w, *([f32] * SLOTS)), codegen
-
-    return add
-
-
-def _simulated_packed_add(kind: str):
-    """The same reduction under the simulator: a compare-and-swap loop per
-    packed pair, rounding as the hardware does (the exact sum of two halves,
-    rounded to nearest even)."""
-    import numpy as np
-
-    def to_half_bits(x):
-        if kind == "fp16":
-            return int(np.array(x, dtype=np.float16).view(np.uint16))
-        bits = int(np.array(x, dtype=np.float32).view(np.uint32))
-        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
-
-    def from_half_bits(b):
-        if kind == "fp16":
-            return float(np.array(b, dtype=np.uint16).view(np.float16))
-        return float(np.array(b << 16, dtype=np.uint32).view(np.float32))
-
-    def add_pair(old, lo, hi):
-        old = int(old) & 0xFFFFFFFF
-        lo_sum = from_half_bits(old & 0xFFFF) + from_half_bits(to_half_bits(lo))
-        hi_sum = from_half_bits(old >> 16) + from_half_bits(to_half_bits(hi))
-        new = to_half_bits(lo_sum) | (to_half_bits(hi_sum) << 16)
-        return np.array(new, dtype=np.uint32).view(np.int32)[()]
-
-    def add(words, w, v0, v1, v2, v3, v4, v5, v6, v7):
-        values = (v0, v1, v2, v3, v4, v5, v6, v7)
-        for j in range(4):
-            while True:
-                old = words[w + j]
-                new = add_pair(old, values[2 * j], values[2 * j + 1])
-                if cuda.atomic.cas(words, w + j, old, new) == old:
-                    break
-    return add
 
 
 # ------------------------------------------------------------ probe kernel
@@ -138,7 +68,7 @@ def probe_kernel(k: int, kind: str, packed: bool, gather: bool = True):
     ``gather`` every term is ``coef[e]`` (no index or ``grad_out`` loads):
     the reductions' own time."""
     grad_of = widen(kind)
-    add_half = packed_half_add(kind) if packed else None
+    add_half = packed_half_atomic_add(kind) if packed else None
     add_f32 = vector_atomic_add(4, not simulator_enabled())
     groups, kk = uint32(k // SLOTS), uint32(k)
     first_step = uint32(SLOTS if packed else 4)
@@ -190,6 +120,15 @@ def run_probe(run, blocks, threads, device, edges, indices, grad_out, kind, pack
     return grad
 
 
+def package_packed(operands, indices, grad_out, nodes):
+    """The package's SSpMM with packed half reductions allowed."""
+    pyg_maxk.allow_half_reductions(True)
+    try:
+        return numba_ops.sspmm(operands, indices, grad_out, nodes)
+    finally:
+        pyg_maxk.allow_half_reductions(False)
+
+
 # ------------------------------------------------------------------ main
 def errors(result, reference, hubs):
     return {"rel_error": rel_error(result, reference),
@@ -230,6 +169,7 @@ def main(argv=None):
                        "max_out_degree": int(out_degree.max())}
             variants = {
                 "package_sspmm": lambda: numba_ops.sspmm(operands, h.indices, grad_out, nodes),
+                "package_packed": lambda: package_packed(operands, h.indices, grad_out, nodes),
                 "probe_float32": lambda: run_probe(run, blocks, threads, device, (row, col, coef),
                                                    h.indices, grad_out, kind, False),
                 "probe_packed": lambda: run_probe(run, blocks, threads, device, (row, col, coef),
@@ -252,7 +192,10 @@ def main(argv=None):
             rows.append(row_out)
             print(f"k {k} {kind}: stock backward (float32) {stock_ms:.3f} ms | package SSpMM {row_out['package_sspmm_ms']:.3f} ms, "
                   f"error {row_out['package_sspmm_rel_error']:.2e} (hubs "
-                  f"{row_out['package_sspmm_hub_rel_error']:.2e}) | probe float32 sums "
+                  f"{row_out['package_sspmm_hub_rel_error']:.2e}) | package packed "
+                  f"{row_out['package_packed_ms']:.3f} ms, error "
+                  f"{row_out['package_packed_rel_error']:.2e} (hubs "
+                  f"{row_out['package_packed_hub_rel_error']:.2e}) | probe float32 sums "
                   f"{row_out['probe_float32_ms']:.3f} ms, error "
                   f"{row_out['probe_float32_rel_error']:.2e} | probe packed {kind} sums "
                   f"{row_out['probe_packed_ms']:.3f} ms ({row_out['packed_over_float32']:.2f}x), "
@@ -274,11 +217,12 @@ def plot(rows, path, hardware):
     labels = [f"{r['half']}\nk={r['k']}" for r in rows]
     x = range(len(rows))
     for j, (name, label) in enumerate((("package_sspmm", "package SSpMM (float32 sums)"),
+                                       ("package_packed", "package SSpMM, packed half sums"),
                                        ("probe_float32", "probe, float32 sums"),
                                        ("probe_packed", "probe, packed half sums"))):
-        xs = [i + 0.27 * (j - 1) for i in x]
-        ax_t.bar(xs, [r[f"{name}_ms"] for r in rows], width=0.27, label=label)
-        ax_e.bar(xs, [r[f"{name}_hub_rel_error"] for r in rows], width=0.27, label=label)
+        xs = [i + 0.2 * (j - 1.5) for i in x]
+        ax_t.bar(xs, [r[f"{name}_ms"] for r in rows], width=0.2, label=label)
+        ax_e.bar(xs, [r[f"{name}_hub_rel_error"] for r in rows], width=0.2, label=label)
     for ax, ylabel in ((ax_t, "ms"), (ax_e, "hub rows' error vs float64")):
         ax.set_xticks(list(x), labels)
         ax.set_ylabel(ylabel)

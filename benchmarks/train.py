@@ -35,7 +35,10 @@ cross-entropy, backward, optimizer step)
 * with ``--autocast bf16`` (or ``fp16``), of the MaxK model under
   ``torch.autocast`` (checked against the ``"torch"`` backend under the same
   autocast), and of the stock model in every form both in float32 and under
-  the same autocast (a form that fails under it is reported with its error).
+  the same autocast (a form that fails under it is reported with its error);
+  with ``--half-reductions`` too, of the MaxK model under that autocast once
+  more with :func:`pyg_maxk.allow_half_reductions` (``autocast bf16 half
+  reductions``: packed half sums in the backward, checked the same way).
 
 Stock GCN runs with ``cached=True`` (its normalised graph computed once, as a
 full-batch PyG user writes it), as the MaxK GCN caches its graph.
@@ -128,6 +131,8 @@ def parse_args(argv=None):
                         "cuda-graph: the whole step captured in one CUDA graph (GPU)")
     p.add_argument("--autocast", choices=sorted(AUTOCAST), default=None,
                    help="also time both models under torch.autocast with this dtype")
+    p.add_argument("--half-reductions", action="store_true",
+                   help="with --autocast, also time MaxK with pyg_maxk.allow_half_reductions")
     p.add_argument("--out", default=str(RESULTS))
     return p.parse_args(argv)
 
@@ -365,7 +370,8 @@ def time_compiled(model, x, adj, y, device, repeats, mode) -> Dict[str, object]:
 
 
 def run_workload(name: str, models, forms, ks, device, repeats, scale,
-                 compile_modes=(), autocast: Optional[str] = None) -> Dict[str, object]:
+                 compile_modes=(), autocast: Optional[str] = None,
+                 half_reductions: bool = False) -> Dict[str, object]:
     preset, layers = WORKLOADS[name]
     data = make_graph(preset, device, scale)
     n, ei, x, y = data["num_nodes"], data["edge_index"], data["x"], data["y"]
@@ -404,8 +410,14 @@ def run_workload(name: str, models, forms, ks, device, repeats, scale,
             lambda: time_epoch(stock_model(), x, adjacency("csr", empty, n), y, device, repeats),
             f"{kind} stock without edges")
         _report(kind, "stock, no edges", entry["stock_outside_mp"])
+        # With --half-reductions, the MaxK model under autocast once more with
+        # pyg_maxk.allow_half_reductions (packed half sums in the backward).
+        maxk_casts = [(dtype, suffix, False) for dtype, suffix in casts]
+        if autocast and half_reductions:
+            maxk_casts.append((AUTOCAST[autocast], f" autocast {autocast} half reductions", True))
         for k in ks:
-            for dtype, suffix in casts:
+            for dtype, suffix, reduced in maxk_casts:
+                pyg_maxk.allow_half_reductions(reduced)
                 torch.manual_seed(0)
                 model = cls(x.size(1), HIDDEN, layers, data["num_classes"], k=k,
                             **CONV_KWARGS[kind]).to(device)
@@ -420,6 +432,7 @@ def run_workload(name: str, models, forms, ks, device, repeats, scale,
                 t["check_vs_torch_backend"] = err
                 entry["maxk"][str(k) + suffix] = t
                 _report(kind, f"MaxK k={k}{suffix}", t)
+        pyg_maxk.allow_half_reductions(False)
         for mode in compile_modes:
             label = variant(mode)
             entry["stock"][label] = guarded(
@@ -559,7 +572,7 @@ def main(argv=None):
         large = args.large_forms.split(",") if args.large_forms else forms
         payload["workloads"][name] = run_workload(
             name, models, forms if name in HOST_BOUND else large, ks, device, repeats, scale,
-            compile_modes, args.autocast)
+            compile_modes, args.autocast, args.half_reductions)
     name = "train-tiny" if args.tiny else ("train" if device.type == "cuda" else "train-cpu")
     if args.tf32:
         name += "-tf32"

@@ -15,7 +15,8 @@ from pyg_maxk.ops import numba_ops
 from helpers import FORMS, adjacency, assert_same_as_stock, dense_reference, random_edge_index
 from test_layers import make_pair
 from test_numba_backend import (HALF, assert_same_selection, check_cbsr_linear,
-                                check_half_kernels, check_kernels, every_k_case, kernel_maxk,
+                                check_half_kernels, check_half_reductions, check_kernels,
+                                every_k_case, kernel_maxk,
                                 poison_allocator, random_cbsr)
 
 pytestmark = [pytest.mark.gpu,
@@ -186,6 +187,16 @@ def test_half_kernels_power_law_every_k(monkeypatch, dim, k):
 
 
 @pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("dim", [64, 256, 512])
+def test_half_reductions_power_law_all_k(monkeypatch, dim, dtype):
+    # Packed half reductions at every k (a multiple of 8) up to dim - 8 on
+    # the power-law graph, each entry within its rounding bound.
+    graph = power_law_graph(seed=2, normalization="gcn")
+    for k in range(8, dim, 8 if dim <= 64 else 24):
+        check_half_reductions(monkeypatch, graph, dim, k, dtype, seed=k)
+
+
+@pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("dim", [64, 256])
 def test_half_value_index_pairs_power_law(monkeypatch, dim, dtype):
     # Packed half (value, index) words up to k=32, forced on this graph.
@@ -275,10 +286,13 @@ def test_layer_contract_on_cuda(kind, form):
                          backend="numba")
 
 
-def test_autocast_bf16_training_step():
+@pytest.mark.parametrize("half_reductions", [False, True])
+def test_autocast_bf16_training_step(monkeypatch, half_reductions):
     # The numba backend under autocast against the torch backend under the
     # same autocast (same bf16 inputs to every op): outputs and gradients to
-    # bf16 tolerance, norm-relative (bf16 ties may keep other columns).
+    # bf16 tolerance, norm-relative (bf16 ties may keep other columns), with
+    # float32 or packed half reductions in the backward.
+    monkeypatch.setattr(pyg_maxk.dispatch, "_half_reductions", half_reductions)
     ei = random_edge_index(2000, 2000, 20_000).cuda()
     x = torch.randn(2000, 64, device="cuda")
     results = []

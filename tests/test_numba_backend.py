@@ -498,6 +498,83 @@ def test_half_precision_vector_loads(dim, k, dtype):
     check_half_kernels(CSRGraph.from_adj(ei, (35, 20), edge_weight=w), dim, k, dtype, h=h)
 
 
+def check_half_reductions(monkeypatch, graph, dim, k, dtype, seed=0):
+    """The values' gradient with packed half reductions
+    (:func:`pyg_maxk.allow_half_reductions`) against a float64 reference of
+    the same half inputs, written over poisoned memory: every entry within
+    the bound of a sum of ``d`` terms rounded to the half type after every
+    addition, ``(d + 1) * u * sum|terms|`` (``d``: the source's out-degree;
+    one more rounding for the term itself), so a lost or doubled term, a
+    wrong slot or column fails. Also checks that the packed kernel ran."""
+    from pyg_maxk.ops import _library as lib
+    h = random_cbsr(graph.num_src, dim, k, seed, dtype)
+    g = torch.Generator().manual_seed(seed + 1)
+    grad_out = torch.randn(graph.num_dst, dim, generator=g).to(DEVICE, dtype)
+    compiled = []
+    kernel = numba_ops.sspmm_kernel
+    monkeypatch.setattr(numba_ops, "sspmm_kernel",
+                        lambda *a: compiled.append(a[-1]) or kernel(*a))
+    monkeypatch.setattr(pyg_maxk.dispatch, "_half_reductions", True)
+    poison_allocator()
+    grad_values = lib.sspmm(*graph.operands(k), h.indices, grad_out, graph.num_src, "numba")
+    assert compiled == [True] and grad_values.dtype == dtype
+    a_t = graph.torch_csr(torch.float64).t().to_sparse_csr()
+    exact = torch.sparse.mm(a_t, grad_out.double()).gather(1, h.long_indices())
+    magnitude = torch.sparse.mm(a_t.abs(), grad_out.double().abs()).gather(1, h.long_indices())
+    out_degree = torch.bincount(graph.col.long(), minlength=graph.num_src).double()
+    bound = (out_degree[:, None] + 1) * HALF_UNIT[dtype] * magnitude * 1.01 + 1e-30
+    error = (grad_values.double() - exact).abs()
+    assert bool((error <= bound).all()), float((error / bound).max())
+    assert float(magnitude.sum()) > 0
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("dim,k,normalization", [(40, 8, "mean"), (80, 16, "sum"),
+                                                 (80, 32, "gcn"), (300, 24, "mean"),
+                                                 (300, 64, "sum")])
+def test_half_reductions_against_float64(monkeypatch, dim, k, normalization, dtype):
+    # 8 slots per packed reduction: one, two, three or eight lanes per
+    # neighbour (several groups per warp), uint8 indices (one word per lane)
+    # and int16 ones (two words), a row scale, edge values, rows split over
+    # work items.
+    monkeypatch.setattr(pyg_maxk.graph, "PAIRS_PER_ITEM", 16 * k)
+    others = torch.randint(0, 35, (90,), generator=torch.Generator().manual_seed(k))
+    src = torch.cat([torch.arange(300) % 35, others])
+    dst = torch.cat([torch.zeros(300, dtype=torch.long), torch.arange(90) % 19 + 1])
+    w = (torch.rand(390) + 0.1).to(DEVICE) if normalization != "mean" else None
+    graph = CSRGraph.from_adj(torch.stack([src, dst]).to(DEVICE), (35, 35), edge_weight=w,
+                              normalization=normalization)
+    assert bool(split_items(graph, k).any())
+    check_half_reductions(monkeypatch, graph, dim, k, dtype, seed=k)
+
+
+@pytest.mark.parametrize("k,dtype,reason", [
+    (12, torch.bfloat16, "k not a multiple of 8"), (16, torch.float32, "float32 gradient")])
+def test_half_reductions_only_where_they_apply(monkeypatch, k, dtype, reason):
+    # Elsewhere the allowed switch changes nothing: float32 sums, as exact as
+    # ever.
+    monkeypatch.setattr(pyg_maxk.dispatch, "_half_reductions", True)
+    flat = torch.zeros(4 * k, dtype=torch.uint8, device=DEVICE)
+    assert not numba_ops._reduces_in_half(torch.zeros(4, 8, dtype=dtype, device=DEVICE), flat,
+                                          k), reason
+    assert numba_ops._reduces_in_half(torch.zeros(4, 8, dtype=torch.float16, device=DEVICE),
+                                      flat, 16)
+    assert not numba_ops._reduces_in_half(torch.zeros(4, 8, dtype=torch.float16, device=DEVICE),
+                                          flat[1:], 16)  # misaligned indices
+
+
+def test_half_reductions_switch(monkeypatch):
+    monkeypatch.setattr(pyg_maxk.dispatch, "_half_reductions", None)
+    monkeypatch.delenv("PYG_MAXK_HALF_REDUCTIONS", raising=False)
+    assert not pyg_maxk.half_reductions_allowed()  # off by default
+    monkeypatch.setenv("PYG_MAXK_HALF_REDUCTIONS", "1")
+    assert pyg_maxk.half_reductions_allowed()
+    pyg_maxk.allow_half_reductions(False)          # the call wins over the environment
+    assert not pyg_maxk.half_reductions_allowed()
+    pyg_maxk.allow_half_reductions()
+    assert pyg_maxk.half_reductions_allowed()
+
+
 @pytest.mark.parametrize("dim,k,dtype", [(80, 1, torch.bfloat16), (80, 6, torch.float16),
                                          (300, 16, torch.bfloat16), (80, 32, torch.float16),
                                          (80, 33, torch.bfloat16)])

@@ -66,7 +66,7 @@ from typing import Tuple
 
 from ._half import widen
 from ._numba import cuda_module, kernel_jit, simulator_enabled
-from ._vector import vector_atomic_add, vector_load
+from ._vector import PACKED_HALF_SLOTS, packed_half_atomic_add, vector_atomic_add, vector_load
 from ._warp import FULL_MASK, WARP, warp_sync
 
 # Module-level name `cuda`: Numba's simulator swaps exactly this global.
@@ -363,14 +363,23 @@ def spgemm_kernel(dim: int, k: int, threads: int, weighted: bool, scaled: bool =
 @functools.lru_cache(maxsize=None)
 def sspmm_kernel(dim: int, k: int, threads: int, weighted: bool, scaled: bool = False,
                  width: int = 1, index_bits: int = 8, vector_atomics: bool = True,
-                 half: str = ""):
+                 half: str = "", packed: bool = False):
     """The compiled backward kernel for one ``(dim, k, threads, weighted,
-    scaled, width, index_bits, vector_atomics, half)``; ``indices`` (as for
-    :func:`spgemm_kernel`) and ``grad_values`` are flat arrays; with ``width``
-    2 or 4 a lane adds to that many slots at once, with one vector reduction
-    when ``vector_atomics`` (sm_90 and later). ``half``: ``grad_out`` holds
-    that type's 16-bit patterns (:mod:`._half`), widened as it is staged;
-    ``grad_values`` is float32 either way (the reductions stay float32)."""
+    scaled, width, index_bits, vector_atomics, half, packed)``; ``indices``
+    (as for :func:`spgemm_kernel`) and ``grad_values`` are flat arrays; with
+    ``width`` 2 or 4 a lane adds to that many slots at once, with one vector
+    reduction when ``vector_atomics`` (sm_90 and later). ``half``:
+    ``grad_out`` holds that type's 16-bit patterns (:mod:`._half`), widened
+    as it is staged; ``grad_values`` is float32 (the reductions stay
+    float32) unless ``packed``: then ``grad_values`` is the gradient in that
+    half type as 32-bit words of two slots, and a lane adds ``width`` = 8
+    slots with one packed half reduction (sm_90;
+    :func:`~._vector.packed_half_atomic_add`), which rounds each running sum
+    to the half type (``indices``: words of 8 uint8 indices, or pairs of
+    words of 4 int16 ones)."""
+    if packed and (not half or width != PACKED_HALF_SLOTS):
+        raise ValueError(f"packed half reductions take a half type and {PACKED_HALF_SLOTS} "
+                         f"slots per lane, got {half!r} and {width}")
     grad_of = widen(half)
     warps = threads // WARP
     if not fits_shared_memory(k, dim, warps):
@@ -387,9 +396,19 @@ def sspmm_kernel(dim: int, k: int, threads: int, weighted: bool, scaled: bool = 
     round_size = uint32(staged)
     sync = warp_sync()
     stage = _stager(k, weighted)
-    add = vector_atomic_add(width, vector_atomics) if width > 1 else None
+    if packed:
+        add = packed_half_atomic_add(half)
+        index_pairs = index_bits * width > 64  # int16 indices: two words of 4 per lane
+        load_index_pair = vector_load(2) if index_pairs else None
+        word_type = uint64
+        per_word = 64 // index_bits
+    else:
+        add = vector_atomic_add(width, vector_atomics) if width > 1 else None
+        index_pairs, load_index_pair = False, None
+        word_type = _word_type(index_bits, width)
+        per_word = width
+    pos_words = 2 if index_pairs else 1
     field = _index_field(index_bits)
-    word_type = _word_type(index_bits, width)
 
     @kernel_jit(max_registers=MAX_REGISTERS)
     def sspmm(item_row, item_start, item_end, col, weight, scale, indices, grad_out,
@@ -398,7 +417,7 @@ def sspmm_kernel(dim: int, k: int, threads: int, weighted: bool, scaled: bool = 
         nbr = cuda.shared.array((warps, staged), uint32)    # neighbour * k
         nbr_w = cuda.shared.array((warps, staged), float32)
         at = cuda.local.array(unroll, uint32)             # registers after unrolling
-        pos = cuda.local.array(unroll, word_type)
+        pos = cuda.local.array((unroll, pos_words), word_type)
         lane = uint32(cuda.threadIdx.x) % w32
         warp = uint32(cuda.threadIdx.x) // w32
         group = lane // n_lanes
@@ -432,25 +451,44 @@ def sspmm_kernel(dim: int, k: int, threads: int, weighted: bool, scaled: bool = 
                                 s = nbr[warp, q] + j
                                 at[u] = s
                                 if width == 1:
-                                    pos[u] = uint32(indices[s])
+                                    pos[u, 0] = uint32(indices[s])
+                                elif index_pairs:
+                                    words = load_index_pair(indices, s // uint32(per_word))
+                                    pos[u, 0] = word_type(words[0])
+                                    pos[u, 1] = word_type(words[1])
                                 else:
-                                    pos[u] = word_type(indices[s // vw])
+                                    pos[u, 0] = word_type(indices[s // vw])
                         for u in range(unroll):
                             q = first + uint32(u) * n_groups
                             if live and q < n:
                                 a = nbr_w[warp, q] if weighted else float32(1.0)
                                 if width == 1:
-                                    cuda.atomic.add(grad_values, at[u], buf[warp, pos[u]] * a)
+                                    cuda.atomic.add(grad_values, at[u], buf[warp, pos[u, 0]] * a)
                                 elif width == 2:
-                                    word = pos[u]
+                                    word = pos[u, 0]
                                     add(grad_values, at[u], buf[warp, field(word, 0)] * a,
                                         buf[warp, field(word, 1)] * a)
-                                else:
-                                    word = pos[u]
+                                elif width == 4:
+                                    word = pos[u, 0]
                                     add(grad_values, at[u], buf[warp, field(word, 0)] * a,
                                         buf[warp, field(word, 1)] * a,
                                         buf[warp, field(word, 2)] * a,
                                         buf[warp, field(word, 3)] * a)
+                                else:  # 8 slots, one packed half reduction
+                                    lo = pos[u, 0]
+                                    if index_pairs:  # slots 4-7 in the second word
+                                        hi, up = pos[u, 1], 4
+                                    else:
+                                        hi, up = lo, 0
+                                    add(grad_values, at[u] // uint32(2),
+                                        buf[warp, field(lo, 0)] * a,
+                                        buf[warp, field(lo, 1)] * a,
+                                        buf[warp, field(lo, 2)] * a,
+                                        buf[warp, field(lo, 3)] * a,
+                                        buf[warp, field(hi, 4 - up)] * a,
+                                        buf[warp, field(hi, 5 - up)] * a,
+                                        buf[warp, field(hi, 6 - up)] * a,
+                                        buf[warp, field(hi, 7 - up)] * a)
             sync()  # buf is rewritten by the next item
 
     return sspmm

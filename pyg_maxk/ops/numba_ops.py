@@ -26,11 +26,13 @@ import torch
 from torch import Tensor
 
 from ..cbsr import index_dtype_for
+from ..dispatch import half_reductions_allowed
 from ..graph import GraphOperands
 from ..kernels import geometry
 from ..kernels._warp import WARP
 from ..kernels.linear import column_tiles, linear_blocks, linear_kernel, linear_shared_bytes
 from ..kernels.maxk_select import densify_kernel, select_kernel
+from ..kernels._vector import PACKED_HALF_SLOTS
 from ..kernels.spgemm import (pair_width_fits, reads_pairs, sddmm_kernel,
                               spgemm_kernel, spgemm_vector_width, sspmm_kernel,
                               sspmm_vector_width)
@@ -256,23 +258,45 @@ def _or_unread(optional: Optional[Tensor], stand_in: Tensor) -> Tensor:
 def sspmm(g: GraphOperands, indices: Tensor, grad_out: Tensor, num_src: int) -> Tensor:
     """The gradient ``[num_src, k]`` (in ``grad_out``'s dtype) of
     :func:`spgemm` w.r.t. the CBSR values: ``grad_out`` sampled through the
-    transposed graph at the CBSR pattern, per-edge float32 reductions."""
+    transposed graph at the CBSR pattern, per-edge float32 reductions, or
+    packed half-precision ones where :func:`_reduces_in_half`."""
     k = indices.size(1)
     dim = grad_out.size(1)
     weight, row_scale = kernel_weights(g)
-    grad_values = torch.zeros(num_src, k, dtype=KERNEL_DTYPE, device=grad_out.device)
+    flat = indices.contiguous().view(-1)
+    packed = _reduces_in_half(grad_out, flat, k)
+    grad_values = torch.zeros(num_src, k, dtype=grad_out.dtype if packed else KERNEL_DTYPE,
+                              device=grad_out.device)
     num_items = g.item_row.numel()
     if num_items > 0:
         run, threads, blocks = _item_launch(num_items, grad_out.device)
-        index_words, width, bits = _index_operand(indices, sspmm_vector_width(k),
-                                                   grad_values)
+        if packed:  # words of 8 uint8 indices, or of 4 int16 ones read two at a time
+            index_words, width, bits = (flat.view(torch.int64), PACKED_HALF_SLOTS,
+                                        8 * flat.element_size())
+        else:
+            index_words, width, bits = _index_operand(indices, sspmm_vector_width(k),
+                                                       grad_values)
         kernel = sspmm_kernel(dim, k, threads, weight is not None, row_scale is not None,
                               width, bits, _has_vector_atomics(grad_out.device),
-                              half_kind(grad_out.dtype))
+                              half_kind(grad_out.dtype), packed)
+        out = grad_values.view(torch.int32) if packed else grad_values
         run(kernel, blocks, threads, grad_out.device, g.item_row, g.item_start, g.item_end,
             g.col, _or_unread(weight, g.item_start), _or_unread(row_scale, g.item_start),
-            index_words, _kernel_input(grad_out), grad_values.view(-1), num_items)
+            index_words, _kernel_input(grad_out), out.view(-1), num_items)
     return as_dtype(grad_values, grad_out.dtype)
+
+
+def _reduces_in_half(grad_out: Tensor, flat_indices: Tensor, k: int) -> bool:
+    """Whether the backward reduces in ``grad_out``'s half type, 8 slots per
+    packed reduction: where the user allows it
+    (:func:`pyg_maxk.allow_half_reductions`), for a half ``grad_out``,
+    ``k`` a multiple of 8, uint8/int16 indices aligned to 16 bytes, on a GPU
+    with packed half reductions (sm_90 and later; any under the simulator)."""
+    return (half_reductions_allowed() and grad_out.dtype in HALF_KINDS
+            and k % PACKED_HALF_SLOTS == 0
+            and flat_indices.dtype in (torch.uint8, torch.int16)
+            and flat_indices.data_ptr() % 16 == 0
+            and (grad_out.device.type != "cuda" or _has_vector_atomics(grad_out.device)))
 
 
 def sddmm(g: GraphOperands, values: Tensor, indices: Tensor, grad_out: Tensor) -> Tensor:
