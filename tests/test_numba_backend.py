@@ -554,13 +554,12 @@ def test_half_reductions_only_where_they_apply(monkeypatch, k, dtype, reason):
     # Elsewhere the allowed switch changes nothing: float32 sums, as exact as
     # ever.
     monkeypatch.setattr(pyg_maxk.dispatch, "_half_reductions", True)
-    flat = torch.zeros(4 * k, dtype=torch.uint8, device=DEVICE)
-    assert not numba_ops._reduces_in_half(torch.zeros(4, 8, dtype=dtype, device=DEVICE), flat,
-                                          k), reason
-    assert numba_ops._reduces_in_half(torch.zeros(4, 8, dtype=torch.float16, device=DEVICE),
-                                      flat, 16)
-    assert not numba_ops._reduces_in_half(torch.zeros(4, 8, dtype=torch.float16, device=DEVICE),
-                                          flat[1:], 16)  # misaligned indices
+    half_grad = torch.zeros(4, 8, dtype=torch.float16, device=DEVICE)
+    assert not numba_ops._reduces_in_half(torch.zeros(4, 8, dtype=dtype, device=DEVICE),
+                                          torch.zeros(5, k, dtype=torch.uint8, device=DEVICE)), reason
+    buffer = torch.zeros(5 * 16 + 1, dtype=torch.uint8, device=DEVICE)
+    assert numba_ops._reduces_in_half(half_grad, buffer[:80].view(5, 16))
+    assert not numba_ops._reduces_in_half(half_grad, buffer[1:].view(5, 16))  # misaligned
 
 
 def test_half_reductions_switch(monkeypatch):

@@ -117,22 +117,29 @@ def _vector_load_intrinsic(width: int):
     return stable_identity(load, width)
 
 
-def _vector_red_intrinsic(width: int):
+def _reduction_codegen(asm_text: str, floats: int):
+    """Codegen of ``red(array, index, *floats)``: the inline PTX ``asm_text``
+    with the element's address as ``$0`` and the float32 operands after it."""
     from llvmlite import ir
-    from numba.core import types
-    from numba.cuda.extending import intrinsic
 
-    operands = ", ".join(f"${j + 1}" for j in range(width))
-    asm_text = f"red.global.add.v{width}.f32 [$0], {{{operands}}};"
-    constraints = "l," + ",".join("f" * width) + ",~{memory}"
+    constraints = "l," + ",".join("f" * floats) + ",~{memory}"
 
     def codegen(context, builder, sig, args):
         ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-        fn = ir.FunctionType(ir.VoidType(), [ptr.type] + [ir.FloatType()] * width)
+        fn = ir.FunctionType(ir.VoidType(), [ptr.type] + [ir.FloatType()] * floats)
         builder.call(ir.InlineAsm(fn, asm_text, constraints, side_effect=True),
                      [ptr] + list(args[2:]))
         return context.get_dummy_value()
 
+    return codegen
+
+
+def _vector_red_intrinsic(width: int):
+    from numba.core import types
+    from numba.cuda.extending import intrinsic
+
+    operands = ", ".join(f"${j + 1}" for j in range(width))
+    codegen = _reduction_codegen(f"red.global.add.v{width}.f32 [$0], {{{operands}}};", width)
     f32 = types.float32
     if width == 2:
         @intrinsic
@@ -146,23 +153,15 @@ def _vector_red_intrinsic(width: int):
 
 
 def _packed_half_red_intrinsic(kind: str):
-    from llvmlite import ir
     from numba.core import types
     from numba.cuda.extending import intrinsic
 
     packed = "bf16x2" if kind == "bf16" else "f16x2"
     # cvt.rn.<packed>.f32 d, a, b puts a in the upper half: the odd slot.
     cvts = " ".join(f"cvt.rn.{packed}.f32 p{j}, ${2 * j + 2}, ${2 * j + 1};" for j in range(4))
-    asm_text = (f"{{ .reg .b32 p0, p1, p2, p3; {cvts} "
-                f"red.global.add.noftz.v4.{packed} [$0], {{p0, p1, p2, p3}}; }}")
-    constraints = "l," + ",".join("f" * PACKED_HALF_SLOTS) + ",~{memory}"
-
-    def codegen(context, builder, sig, args):
-        ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-        fn = ir.FunctionType(ir.VoidType(), [ptr.type] + [ir.FloatType()] * PACKED_HALF_SLOTS)
-        builder.call(ir.InlineAsm(fn, asm_text, constraints, side_effect=True),
-                     [ptr] + list(args[2:]))
-        return context.get_dummy_value()
+    codegen = _reduction_codegen(f"{{ .reg .b32 p0, p1, p2, p3; {cvts} "
+                                 f"red.global.add.noftz.v4.{packed} [$0], {{p0, p1, p2, p3}}; }}",
+                                 PACKED_HALF_SLOTS)
 
     @intrinsic
     def add(typingctx, words, w, v0, v1, v2, v3, v4, v5, v6, v7):

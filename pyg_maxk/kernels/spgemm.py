@@ -401,13 +401,12 @@ def sspmm_kernel(dim: int, k: int, threads: int, weighted: bool, scaled: bool = 
         index_pairs = index_bits * width > 64  # int16 indices: two words of 4 per lane
         load_index_pair = vector_load(2) if index_pairs else None
         word_type = uint64
-        per_word = 64 // index_bits
     else:
         add = vector_atomic_add(width, vector_atomics) if width > 1 else None
         index_pairs, load_index_pair = False, None
         word_type = _word_type(index_bits, width)
-        per_word = width
     pos_words = 2 if index_pairs else 1
+    per_word = uint32(64 // index_bits)  # indices in a 64-bit word (read as pairs)
     field = _index_field(index_bits)
 
     @kernel_jit(max_registers=MAX_REGISTERS)
@@ -453,7 +452,7 @@ def sspmm_kernel(dim: int, k: int, threads: int, weighted: bool, scaled: bool = 
                                 if width == 1:
                                     pos[u, 0] = uint32(indices[s])
                                 elif index_pairs:
-                                    words = load_index_pair(indices, s // uint32(per_word))
+                                    words = load_index_pair(indices, s // per_word)
                                     pos[u, 0] = word_type(words[0])
                                     pos[u, 1] = word_type(words[1])
                                 else:

@@ -263,16 +263,15 @@ def sspmm(g: GraphOperands, indices: Tensor, grad_out: Tensor, num_src: int) -> 
     k = indices.size(1)
     dim = grad_out.size(1)
     weight, row_scale = kernel_weights(g)
-    flat = indices.contiguous().view(-1)
-    packed = _reduces_in_half(grad_out, flat, k)
+    packed = _reduces_in_half(grad_out, indices)
     grad_values = torch.zeros(num_src, k, dtype=grad_out.dtype if packed else KERNEL_DTYPE,
                               device=grad_out.device)
     num_items = g.item_row.numel()
     if num_items > 0:
         run, threads, blocks = _item_launch(num_items, grad_out.device)
         if packed:  # words of 8 uint8 indices, or of 4 int16 ones read two at a time
-            index_words, width, bits = (flat.view(torch.int64), PACKED_HALF_SLOTS,
-                                        8 * flat.element_size())
+            index_words, width, bits = (indices.view(-1).view(torch.int64), PACKED_HALF_SLOTS,
+                                        8 * indices.element_size())
         else:
             index_words, width, bits = _index_operand(indices, sspmm_vector_width(k),
                                                        grad_values)
@@ -286,16 +285,17 @@ def sspmm(g: GraphOperands, indices: Tensor, grad_out: Tensor, num_src: int) -> 
     return as_dtype(grad_values, grad_out.dtype)
 
 
-def _reduces_in_half(grad_out: Tensor, flat_indices: Tensor, k: int) -> bool:
+def _reduces_in_half(grad_out: Tensor, indices: Tensor) -> bool:
     """Whether the backward reduces in ``grad_out``'s half type, 8 slots per
-    packed reduction: where the user allows it
-    (:func:`pyg_maxk.allow_half_reductions`), for a half ``grad_out``,
-    ``k`` a multiple of 8, uint8/int16 indices aligned to 16 bytes, on a GPU
-    with packed half reductions (sm_90 and later; any under the simulator)."""
-    return (half_reductions_allowed() and grad_out.dtype in HALF_KINDS
-            and k % PACKED_HALF_SLOTS == 0
-            and flat_indices.dtype in (torch.uint8, torch.int16)
-            and flat_indices.data_ptr() % 16 == 0
+    packed reduction: for a half ``grad_out``, where the user allows it
+    (:func:`pyg_maxk.allow_half_reductions`), ``k`` a multiple of 8,
+    contiguous uint8/int16 indices aligned to 16 bytes, on a GPU with packed
+    half reductions (sm_90 and later; any under the simulator). The dtype
+    is asked first: float32 training pays no host time here."""
+    return (grad_out.dtype in HALF_KINDS and half_reductions_allowed()
+            and indices.size(1) % PACKED_HALF_SLOTS == 0
+            and indices.dtype in (torch.uint8, torch.int16) and indices.is_contiguous()
+            and indices.data_ptr() % 16 == 0
             and (grad_out.device.type != "cuda" or _has_vector_atomics(grad_out.device)))
 
 
