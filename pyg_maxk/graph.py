@@ -62,17 +62,19 @@ class WorkSchedule:
     """How the kernels cut the CSR rows into balanced work items.
 
     Item ``t`` aggregates edges ``[start[t], end[t])`` of row ``row[t]``; a row
-    with more than ``max_edges`` edges is cut into several items, flagged in
-    ``split`` so that their partial sums are combined with atomics. Rows
+    with more than ``max_edges`` edges is cut into several items. Rows
     without edges have no item. ``zeroed_rows`` lists the rows that no single
-    item writes whole (those without edges and the split ones): the only
-    output rows the forward must zero before it runs.
+    item writes whole (those without edges and the split ones). The forward
+    sums them in a zeroed float32 array of one row per zeroed row, with
+    atomics, and copies it into its output: ``split[t]`` is 0 for an item
+    that writes its row whole, else 1 + the position of ``row[t]`` in
+    ``zeroed_rows``.
     """
     max_edges: int
     row: Tensor          # [T] int32
     start: Tensor        # [T] int32
     end: Tensor          # [T] int32
-    split: Tensor        # [T] uint8
+    split: Tensor        # [T] int32
     zeroed_rows: Tensor  # [Z] int64
 
     @property
@@ -384,13 +386,17 @@ class CSRGraph:
         piece = torch.arange(item_row.numel(), device=self.device) - first_item[item_row]
         start = rowptr[item_row] + piece * max_edges
         end = torch.minimum(start + max_edges, rowptr[item_row + 1])
+        zeroed_rows = torch.nonzero(pieces != 1).view(-1)
+        position = torch.zeros(self.num_dst, dtype=torch.int32, device=self.device)
+        position[zeroed_rows] = torch.arange(1, zeroed_rows.numel() + 1, dtype=torch.int32,
+                                             device=self.device)
         schedule = WorkSchedule(
             max_edges=max_edges,
             row=item_row.to(torch.int32),
             start=start.to(torch.int32),
             end=end.to(torch.int32),
-            split=(pieces[item_row] > 1).to(torch.uint8),
-            zeroed_rows=torch.nonzero(pieces != 1).view(-1),
+            split=torch.where(pieces[item_row] > 1, position[item_row], 0),
+            zeroed_rows=zeroed_rows,
         )
         self._schedules[max_edges] = schedule
         return schedule

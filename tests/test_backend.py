@@ -162,15 +162,18 @@ def test_index_words_and_fallbacks():
 
 
 def test_value_index_pairs():
-    # The forward's (value, index) pairs: float32 values beside their column
+    # The forward's (value, index) pairs (built by a kernel: on the GPU, or
+    # the simulator's CPU tensors): float32 values beside their column
     # indices (as float32), for k up to PAIRS_MAX_K.
     from pyg_maxk.kernels.spgemm import PAIRS_MAX_K, reads_pairs
     from pyg_maxk.ops.numba_ops import value_index_pairs
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
     assert reads_pairs(1) and reads_pairs(PAIRS_MAX_K) and not reads_pairs(PAIRS_MAX_K + 1)
     for index_dtype in (torch.uint8, torch.int16, torch.int32):
-        values = torch.randn(5, 3)
-        idx = torch.randint(0, 300 if index_dtype != torch.uint8 else 256, (5, 3)).to(index_dtype)
+        values = torch.randn(5, 3, device=device)
+        idx = torch.randint(0, 300 if index_dtype != torch.uint8 else 256, (5, 3)).to(device, index_dtype)
         pairs = value_index_pairs(values, idx)
         assert pairs.shape == (5, 3, 2) and pairs.dtype == torch.float32
         assert torch.equal(pairs[..., 0], values)
@@ -178,8 +181,8 @@ def test_value_index_pairs():
     # Half values: one int32 word per slot, the value's bits below the index.
     assert reads_pairs(2 * PAIRS_MAX_K, half=True) and not reads_pairs(2 * PAIRS_MAX_K + 1, True)
     for dtype in (torch.float16, torch.bfloat16):
-        values = torch.randn(5, 3).to(dtype)
-        idx = torch.randint(0, 300, (5, 3)).to(torch.int16)
+        values = torch.randn(5, 3).to(device, dtype)
+        idx = torch.randint(0, 300, (5, 3)).to(device, torch.int16)
         words = value_index_pairs(values, idx)
         assert words.shape == (5, 3) and words.dtype == torch.int32
         assert torch.equal((words & 0xFFFF).to(torch.int16).view(dtype), values)

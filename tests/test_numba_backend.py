@@ -10,7 +10,7 @@ import torch
 
 import pyg_maxk
 from pyg_maxk import CBSR, CSRGraph
-from pyg_maxk.kernels import geometry
+from pyg_maxk.kernels import cuda_module, geometry
 from pyg_maxk.ops import numba_ops
 
 from helpers import (FORMS, adjacency, assert_same_as_stock, assert_same_selection,
@@ -39,7 +39,8 @@ def random_cbsr(num_rows, dim, k, seed=0, dtype=torch.float32):
 
 
 def split_items(graph: CSRGraph, k: int) -> torch.Tensor:
-    """The split flags of the work items the kernels run at ``k``."""
+    """The split marks of the work items the kernels run at ``k`` (nonzero
+    for an item of a split row)."""
     from pyg_maxk.graph import unpack
     return unpack(*graph.operands(k)).item_split
 
@@ -96,7 +97,7 @@ def test_heavy_rows_split_across_items(monkeypatch):
     src = torch.arange(200) % 25
     dst = torch.cat([torch.zeros(190, dtype=torch.long), torch.arange(1, 11)])
     graph = CSRGraph.from_adj(torch.stack([src, dst]).to(DEVICE), (25, 12))
-    assert int(split_items(graph, k=4).sum()) == 12  # ceil(190 / 16)
+    assert int((split_items(graph, k=4) != 0).sum()) == 12  # ceil(190 / 16)
     check_kernels(graph, dim=20, k=4)
 
 
@@ -646,3 +647,111 @@ def test_maxk_uses_the_select_kernel_up_to_its_measured_width(monkeypatch):
     assert_same_selection(large, x, 64, order="bank")
     if ON_GPU:  # auto: torch.topk beyond the kernel's width
         torch.testing.assert_close(pyg_maxk.maxk(wide, 4).values, wide.topk(4, dim=1).values)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_half_aggregation_is_the_float32_sum_rounded_once(monkeypatch, dtype):
+    # A half-precision aggregation is stored by the kernel itself: each
+    # float32 sum rounded once, bit for bit the float32 kernel's sum of the
+    # same (widened) values rounded by torch; rows split over work items
+    # (float32 partial sums, rounded once after the last) and rows without
+    # edges (zeros) included.
+    monkeypatch.setattr(pyg_maxk.graph, "PAIRS_PER_ITEM", 16 * 8)
+    g = torch.Generator().manual_seed(5)
+    src = torch.cat([torch.arange(60) % 30, torch.randint(0, 30, (80,), generator=g)])
+    dst = torch.cat([torch.zeros(60, dtype=torch.long), torch.randint(2, 25, (80,), generator=g)])
+    for normalization in ("mean", "sum"):
+        graph = CSRGraph.from_adj(torch.stack([src, dst]).to(DEVICE), (30, 25),
+                                  normalization=normalization)
+        assert bool(split_items(graph, 8).any())
+        h = random_cbsr(30, 48, 8, seed=6, dtype=dtype)
+        with pyg_maxk.use_backend("numba"):
+            poison_allocator()
+            out = pyg_maxk.aggregate(graph, h)
+            poison_allocator()
+            wide = pyg_maxk.aggregate(graph, h.with_values(h.values.float()))
+        assert out.dtype == dtype
+        from pyg_maxk.graph import unpack
+        zeroed = unpack(*graph.operands(8)).zeroed_rows
+        whole = torch.ones(25, dtype=torch.bool, device=DEVICE)
+        whole[zeroed] = False
+        assert bool(whole.any()) and zeroed.numel() > 1
+        torch.testing.assert_close(out[whole], wide[whole].to(dtype), rtol=0, atol=0)
+        # Split rows: float32 atomics in any order, one rounding at the end.
+        torch.testing.assert_close(out[zeroed].double(), wide[zeroed].double(),
+                                   rtol=HALF_UNIT[dtype], atol=1e-6)
+        assert bool((out[1] == 0).all())  # row 1 has no edges
+
+
+#: Module-level name ``cuda`` (the simulator swaps exactly this global).
+cuda = cuda_module()
+
+
+def _narrowed(dtype, x):
+    """``x`` (float32) rounded to ``dtype`` by the kernels' ``narrow``."""
+    from pyg_maxk.kernels._half import narrow
+    to_bits = narrow(numba_ops.half_kind(dtype))
+
+    @cuda.jit
+    def kernel(x, out):
+        i = cuda.grid(1)
+        if i < x.size:
+            out[i] = to_bits(x[i])
+
+    out = torch.full(x.shape, 0x5555, dtype=torch.int16, device=DEVICE)
+    # CUDA tensors go in as they are; the simulator takes numpy views.
+    args = (x, out) if ON_GPU else (x.numpy(), out.numpy())
+    kernel[(x.numel() + 31) // 32, 32](*args)
+    return out
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_kernels_round_to_half_as_torch(dtype):
+    # Round to nearest even, ties both ways, overflow to infinity, signed
+    # zeros, subnormals, infinities and NaN: the kernels' rounding of a
+    # float32 to a half type is torch's, bit for bit.
+    info = torch.finfo(dtype)
+    lsb = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}[dtype]
+    special = torch.tensor([0.0, -0.0, 1.0, 1.0 + lsb, 1.0 + 3 * lsb, -(1.0 + lsb),
+                            1.0 + lsb / 2, 1.0 + lsb * 1.5, info.max, -info.max,
+                            info.max * 1.01, 3.0e38, info.tiny, info.tiny / 3, -info.tiny / 5,
+                            float("inf"), float("-inf"), 1e-45])
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([special, torch.randn(4000, generator=g) * 10.0 ** torch.randint(
+        -8, 8, (4000,), generator=g).float()]).to(DEVICE)
+    expected = x.to(dtype).view(torch.int16)
+    torch.testing.assert_close(_narrowed(dtype, x), expected, rtol=0, atol=0)
+    nan = _narrowed(dtype, torch.tensor([float("nan"), -float("nan")], device=DEVICE))
+    assert bool(torch.isnan(nan.view(dtype)).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32] + HALF)
+@pytest.mark.parametrize("num_rows,dim,k", [(37, 24, 5), (9, 300, 32), (0, 16, 4)])
+def test_gather_at_the_cbsr_pattern(dtype, num_rows, dim, k):
+    # The numba sampling of a dense matrix at a CBSR pattern (the CBSR linear
+    # map's backward) reads uint8/int16 indices as stored: torch's gather,
+    # bit for bit, every entry written over poison.
+    h = random_cbsr(num_rows, dim, k, seed=dim)
+    g = torch.Generator().manual_seed(k)
+    dense = torch.randn(num_rows, dim, generator=g).to(DEVICE, dtype)
+    poison_allocator()
+    out = numba_ops.gather_at(dense, h.indices)
+    assert out.dtype == dtype and out.shape == (num_rows, k)
+    torch.testing.assert_close(out, dense.gather(1, h.long_indices()), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32] + HALF)
+@pytest.mark.parametrize("num_rows,columns", [(1, 6), (7, 3), (300, 40), (1000, 256), (0, 5)])
+def test_column_sums_against_float64(dtype, num_rows, columns):
+    # The bias gradient's column sums, in float32 whatever the storage: within
+    # (n + 1) u32 sum|x| of the float64 sum before the result's one rounding
+    # (fewer rows than the unroll, a remainder, one row slice and several).
+    g = torch.Generator().manual_seed(num_rows + columns)
+    x = (torch.randn(num_rows, columns, generator=g) + 0.3).to(DEVICE, dtype)
+    out = numba_ops.column_sums(x)
+    assert out.dtype == dtype and out.shape == (columns,)
+    exact = x.double().sum(0)
+    bound = (num_rows + 1) * 2.0 ** -24 * x.double().abs().sum(0)
+    if dtype != torch.float32:
+        bound += HALF_UNIT[dtype] * exact.abs()
+    assert bool(((out.double() - exact).abs() <= bound + 1e-30).all())

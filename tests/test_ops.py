@@ -72,7 +72,8 @@ def op_cases(backend, dtype=torch.float32):
         cases.append((lib.cbsr_linear, (values, indices, 24, weight, bias, dense, dense_weight,
                                         backend)))
         grad_out = torch.randn(rows, 6, device=DEVICE, dtype=dtype)
-        for need in ((True, True), (True, False), (False, True)):
+        for need in ((True, True, True), (True, False, False), (False, True, False),
+                     (False, False, True)):
             cases.append((lib.cbsr_linear_backward,
                           (grad_out, values.detach(), indices, weight.detach(), 24, *need,
                            backend)))

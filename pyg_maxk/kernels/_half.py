@@ -10,9 +10,12 @@ they gather while every sum stays float32. ``kind`` names the format:
   (``cvt.f32.f16``; exact: every binary16 is a float32).
 
 ``float_bits(kind)(bits)`` gives the float32 bit pattern of the widened
-value (what the select kernel orders), ``widen(kind)(bits)`` the float32;
-``widen("")`` is the identity (float32 storage), so that a kernel reads
-every storage type through one call.
+value (what the select kernel orders), ``widen(kind)(bits)`` the float32,
+and ``narrow(kind)(x)`` the 16-bit pattern of a float32 rounded to the half
+type (to nearest even, as torch's ``.to(dtype)``: a sum the kernel rounds
+once as it stores it); ``widen("")`` and ``narrow("")`` are the identity
+(float32 storage), so that a kernel reads and writes every storage type
+through one call.
 
 Under Numba's simulator they are plain Python on numpy scalars.
 """
@@ -25,11 +28,15 @@ from ._numba import cuda_module, simulator_enabled
 
 # Module-level name `cuda`: Numba's simulator swaps exactly this global.
 cuda = cuda_module()
-from numba import uint32  # noqa: E402 (after the numpy shim)
+from numba import int16, uint32  # noqa: E402 (after the numpy shim)
 
 HALF_KINDS = ("bf16", "fp16")
 _LOW16 = uint32(0xFFFF)
 _SIXTEEN = uint32(16)
+_ABS_MASK = uint32(0x7FFFFFFF)
+_INFINITY_BITS = uint32(0x7F800000)
+_BF16_NAN = uint32(0x7FC0)
+_BF16_HALFWAY = uint32(0x7FFF)
 
 
 def _check(kind: str) -> None:
@@ -84,6 +91,39 @@ def widen(kind: str):
     return value
 
 
+@functools.lru_cache(maxsize=None)
+def narrow(kind: str):
+    """``bits(x) -> int16``: the 16-bit pattern of the float32 ``x`` rounded
+    to the ``kind`` half, to nearest even (a NaN to a quiet NaN); ``x``
+    itself for ``kind`` ``""``."""
+    if not kind:
+        @cuda.jit(device=True, inline=True)
+        def same(x):
+            return x
+        return same
+    _check(kind)
+    if simulator_enabled():
+        return _simulated_narrow(kind)
+    if kind == "bf16":
+        float_as_int = cuda.libdevice.float_as_int
+
+        # Integer rounding (no bf16 conversion instruction before sm_80):
+        # add just under half an ulp of bf16, plus the kept lowest bit.
+        @cuda.jit(device=True, inline=True)
+        def bits(x):
+            b = uint32(float_as_int(x))
+            if (b & _ABS_MASK) > _INFINITY_BITS:
+                return int16(_BF16_NAN)
+            return int16((b + _BF16_HALFWAY + ((b >> _SIXTEEN) & uint32(1))) >> _SIXTEEN)
+        return bits
+    float_to_fp16 = _float32_to_fp16()
+
+    @cuda.jit(device=True, inline=True)
+    def bits(x):
+        return float_to_fp16(x)
+    return bits
+
+
 # ------------------------------------------------------------- intrinsics
 @functools.lru_cache(maxsize=None)
 def _bitcast(to_float: bool):
@@ -120,7 +160,43 @@ def _fp16_to_float32():
     return stable_identity(fp16_to_float)
 
 
+@functools.lru_cache(maxsize=None)
+def _float32_to_fp16():
+    from llvmlite import ir
+    from numba.core import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def float_to_fp16(typingctx, x):
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+        return types.int16(types.float32), codegen
+
+    return stable_identity(float_to_fp16)
+
+
 # -------------------------------------------------------------- simulator
+def half_bits(kind: str, x: float) -> int:
+    """The 16-bit pattern (0 to 0xFFFF) of ``x`` rounded to the ``kind``
+    half, to nearest even (the simulator's rounding)."""
+    import numpy as np
+
+    if kind == "fp16":
+        with np.errstate(over="ignore"):  # overflow rounds to infinity, as intended
+            return int(np.array(x, dtype=np.float16).view(np.uint16))
+    bits = int(np.array(x, dtype=np.float32).view(np.uint32))
+    if (bits & 0x7FFFFFFF) > 0x7F800000:
+        return 0x7FC0
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+
+
+def _simulated_narrow(kind: str):
+    import numpy as np
+
+    def bits(x):
+        return np.array(half_bits(kind, x), dtype=np.uint16).view(np.int16)[()]
+    return bits
+
 def _simulated_float_bits(kind: str):
     import numpy as np
 

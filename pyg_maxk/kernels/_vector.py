@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 
 from ._cache import stable_identity
+from ._half import half_bits
 from ._numba import cuda_module, simulator_enabled
 
 # Module-level name `cuda`: Numba's simulator swaps exactly this global.
@@ -174,10 +175,7 @@ def _simulated_packed_half_add(kind: str):
     import numpy as np
 
     def to_half_bits(x):
-        if kind == "fp16":
-            return int(np.array(x, dtype=np.float16).view(np.uint16))
-        bits = int(np.array(x, dtype=np.float32).view(np.uint32))
-        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+        return half_bits(kind, x)
 
     def from_half_bits(b):
         if kind == "fp16":

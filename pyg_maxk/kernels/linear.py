@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 
+from ._half import widen
 from ._numba import cuda_module, kernel_jit
 from ._warp import WARP, cbsr_row_loader, warp_sync
 
@@ -140,3 +141,56 @@ def column_tiles(out_features: int) -> int:
 def linear_blocks(out_features: int, row_blocks: int) -> int:
     """Blocks of a launch: ``row_blocks`` per tile of output columns."""
     return column_tiles(out_features) * max(1, row_blocks)
+
+
+#: Rows a thread of :func:`column_sum_kernel` loads before it adds any.
+COLUMN_SUM_UNROLL = 8
+
+
+@functools.lru_cache(maxsize=None)
+def column_sum_kernel(columns: int, half: str = ""):
+    """``out[c] += sum_r x[r, c]`` over the rows of ``x`` (float32, or the
+    16-bit patterns of the ``half`` type), in float32: the gradient of a
+    bias. ``out`` (float32 ``[columns]``) starts from zero.
+
+    Thread ``t`` of the first ``R * columns`` threads of the grid sums
+    column ``t % columns`` over rows ``t // columns``, ``+ R``, ``+ 2R``, ...
+    (``R`` = :func:`column_sum_slices`): consecutive threads read consecutive
+    entries of a row, and each thread keeps :data:`COLUMN_SUM_UNROLL` loads
+    in flight. Then one float32 atomic add per thread; a column gets ``R``.
+    (torch's ``sum(0)`` over the rows of ``[N, 256]`` reaches about a third
+    of the memory bandwidth on an H200.)"""
+    cols = uint32(columns)
+    unroll = COLUMN_SUM_UNROLL
+    value_of = widen(half)
+
+    @kernel_jit()
+    def column_sum(x, out, num_rows, slices):
+        t = uint32(cuda.blockIdx.x) * uint32(cuda.blockDim.x) + uint32(cuda.threadIdx.x)
+        n, step = uint32(num_rows), uint32(slices)
+        if t >= step * cols:
+            return
+        c = t % cols
+        r = t // cols
+        loaded = cuda.local.array(unroll, float32)  # registers after unrolling
+        total = float32(0.0)
+        span = step * uint32(unroll)
+        last = span - step
+        while r + last < n:  # the unroll's rows all exist
+            for u in range(unroll):
+                loaded[u] = value_of(x[r + uint32(u) * step, c])
+            for u in range(unroll):
+                total += loaded[u]
+            r += span
+        while r < n:
+            total += value_of(x[r, c])
+            r += step
+        cuda.atomic.add(out, c, total)
+
+    return column_sum
+
+
+def column_sum_slices(num_rows: int, columns: int, resident_threads: int) -> int:
+    """Row slices of :func:`column_sum_kernel`: enough threads to fill the
+    GPU once, at most one per row."""
+    return max(1, min(num_rows, resident_threads // max(1, columns)))

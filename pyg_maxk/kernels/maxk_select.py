@@ -237,3 +237,29 @@ def densify_kernel(dim: int, k: int, rows_per_block: int, bits16: bool = False):
             row = following
 
     return densify
+
+
+@functools.lru_cache(maxsize=None)
+def gather_kernel(k: int, bits16: bool = False):
+    """``values[r, j] = dense[r, indices[r, j]]``: a dense matrix sampled at a
+    CBSR pattern (the backward of :func:`densify_kernel`, and of the CBSR
+    linear map with respect to the kept values). ``values`` and ``indices``
+    are flat (``[N * k]``); with ``bits16`` the arrays hold the 16-bit
+    patterns (``int16``) of a half type, copied as they are.
+
+    One thread per slot (grid-stride): consecutive threads read consecutive
+    indices and the entries of one row, which lie within a few sectors, so
+    it reads the indices as they are stored (uint8, int16) and about the
+    bytes of the sampled rows, where :func:`torch.gather` first needs an
+    int64 copy of the indices."""
+    kk = uint32(k)
+
+    @kernel_jit()
+    def gather(dense, indices, values, num_slots):
+        n = uint32(num_slots)
+        stride = uint32(cuda.gridDim.x) * uint32(cuda.blockDim.x)
+        for s in range(uint32(cuda.blockIdx.x) * uint32(cuda.blockDim.x)
+                       + uint32(cuda.threadIdx.x), n, stride):
+            values[s] = dense[s // kk, uint32(indices[s])]
+
+    return gather

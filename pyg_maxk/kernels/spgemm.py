@@ -23,7 +23,12 @@ shared-memory row ``acc[g, :dim]`` (rows :data:`ROW_PAD` floats apart)::
     for each neighbour s = col[e] taken by group g, lane j:
         acc[g, indices[s, j]] += a_e * values[s, j]    # plain load/add/store
         syncwarp                                         # next neighbour may hit the same column
-    out[r, :] = s_r * sum_g acc[g, :]    (atomic adds when the row spans several items)
+    out[r, :] = s_r * sum_g acc[g, :]    (rounded once to out's type)
+
+A row that spans several items (a split row) is summed instead with float32
+atomic adds into its row of a separate float32 array, ``partial``, which
+the caller copies into ``out`` (:class:`pyg_maxk.graph.WorkSchedule`): the
+partial sums of a half-precision output stay float32 until the last one.
 
 where ``a_e`` is the edge's value, or 1 when the graph gives a per-row scale
 ``s_r`` instead (a mean without edge values), applied once per output entry
@@ -64,14 +69,14 @@ from __future__ import annotations
 import functools
 from typing import Tuple
 
-from ._half import widen
+from ._half import narrow, widen
 from ._numba import cuda_module, kernel_jit, simulator_enabled
 from ._vector import PACKED_HALF_SLOTS, packed_half_atomic_add, vector_atomic_add, vector_load
 from ._warp import FULL_MASK, WARP, warp_sync
 
 # Module-level name `cuda`: Numba's simulator swaps exactly this global.
 cuda = cuda_module()
-from numba import float32, uint32, uint64  # noqa: E402 (after the numpy shim)
+from numba import float32, int16, uint32, uint64  # noqa: E402 (after the numpy shim)
 
 #: Neighbours whose loads a lane of the backward issues before it uses them.
 SSPMM_UNROLL = 8
@@ -177,6 +182,28 @@ def pair_width_fits(width: int, half: bool = False) -> bool:
     return width <= (4 if half else 2)
 
 
+@functools.lru_cache(maxsize=None)
+def pairs_kernel(half: bool):
+    """``pairs[2 s] = values[s]``, ``pairs[2 s + 1] = indices[s]``: the flat
+    CBSR as the (value, index) pairs of :func:`reads_pairs`, in one pass.
+    With ``half``, ``values`` and ``pairs`` hold 16-bit patterns (``int16``)
+    and each pair is one 32-bit word, the value in its low half and the
+    index (below 2**16) in its high half; else they are float32 and the
+    index is a float (exact below 2**24). One thread per slot (grid-stride)."""
+    element = int16 if half else float32
+
+    @kernel_jit()
+    def pack(values, indices, pairs, num_slots):
+        n = uint32(num_slots)
+        stride = uint32(cuda.gridDim.x) * uint32(cuda.blockDim.x)
+        for s in range(uint32(cuda.blockIdx.x) * uint32(cuda.blockDim.x)
+                       + uint32(cuda.threadIdx.x), n, stride):
+            pairs[uint32(2) * s] = values[s]
+            pairs[uint32(2) * s + uint32(1)] = element(indices[s])
+
+    return pack
+
+
 def fits_shared_memory(k: int, dim: int, warps: int) -> bool:
     """Whether the kernels' shared rows of width ``dim`` fit."""
     return group_rows(k, dim, warps)[0] >= 1
@@ -228,9 +255,10 @@ def _layout(k: int, groups: int, width: int):
 
 @functools.lru_cache(maxsize=None)
 def spgemm_kernel(dim: int, k: int, threads: int, weighted: bool, scaled: bool = False,
-                  width: int = 1, index_bits: int = 8, pairs: bool = False, half: str = ""):
+                  width: int = 1, index_bits: int = 8, pairs: bool = False, half: str = "",
+                  out_half: str = ""):
     """The compiled forward kernel for one ``(dim, k, threads, weighted,
-    scaled, width, index_bits, pairs, half)``: ``weighted`` reads a value per
+    scaled, width, index_bits, pairs, half, out_half)``: ``weighted`` reads a value per
     edge, ``scaled`` one per row; with ``width`` 2 or 4 a lane reads that
     many slots per load and ``indices`` is the flat CBSR indices viewed as
     words of that many indices of ``index_bits`` bits each (int16, int32 or
@@ -238,7 +266,11 @@ def spgemm_kernel(dim: int, k: int, threads: int, weighted: bool, scaled: bool =
     column index) pairs (:func:`reads_pairs`; :func:`pair_width_fits`) and
     ``indices`` is not read. ``half`` (``"bf16"``/``"fp16"``, see
     :mod:`._half`): the values are that type's 16-bit patterns (``int16``;
-    packed pairs ``int32``), widened to float32 as they are loaded."""
+    packed pairs ``int32``), widened to float32 as they are loaded.
+    ``out_half``: ``out`` holds that type's 16-bit patterns, each sum rounded
+    to it once as it is stored; else ``out`` is float32. ``item_split[t]``
+    is 0 for an item that writes its row whole, else 1 + the row of
+    ``partial`` (float32) that the item adds into."""
     is_half = bool(half)
     if pairs and (not reads_pairs(k, is_half) or not pair_width_fits(width, is_half)):
         raise ValueError(f"k={k}, width={width}: not read as (value, index) pairs")
@@ -261,12 +293,13 @@ def spgemm_kernel(dim: int, k: int, threads: int, weighted: bool, scaled: bool =
     pair_words = width if is_half else 2 * width  # 32-bit words of a lane's pairs
     load_pairs = vector_load(pair_words) if pairs and pair_words > 1 else None
     value_of = widen(half)
+    store = narrow(out_half)
     field = _index_field(index_bits)
     word_type = _word_type(index_bits, width)
 
     @kernel_jit(max_registers=MAX_REGISTERS)
     def spgemm(item_row, item_start, item_end, item_split, col, weight, scale,
-               values, indices, out, num_items):
+               values, indices, out, partial, num_items):
         acc = cuda.shared.array((warps, groups, row_stride), float32)
         nbr = cuda.shared.array((warps, staged), uint32)    # neighbour * k
         nbr_w = cuda.shared.array((warps, staged), float32)
@@ -341,7 +374,7 @@ def spgemm_kernel(dim: int, k: int, threads: int, weighted: bool, scaled: bool =
                                         p = field(pos[u], w)
                                     acc[warp, my_row, p] += v
                             sync()  # the next neighbour may hit the same column
-            split = item_split[item]
+            split = uint32(item_split[item])
             r = uint32(item_row[item])
             row_scale = scale[r] if scaled else float32(1.0)
             for d in range(lane, d32, w32):
@@ -352,9 +385,9 @@ def spgemm_kernel(dim: int, k: int, threads: int, weighted: bool, scaled: bool =
                     total *= row_scale
                 if split:
                     if total != float32(0.0):
-                        cuda.atomic.add(out, (r, d), total)
+                        cuda.atomic.add(partial, (split - one, d), total)
                 else:
-                    out[r, d] = total
+                    out[r, d] = store(total)
             sync()
 
     return spgemm

@@ -128,7 +128,10 @@ def cbsr_linear(h: CBSR, weight: Tensor, bias: Tensor | None = None, *,
     (SAGE's two linear maps), accumulated in place into the result: one
     output pass, eager and compiled.
 
-    Under autocast, or with operands of different dtypes, it is
+    Under autocast with ``h`` in autocast's dtype (as MaxK of autocast's
+    output is), the weights, bias and ``dense`` are cast to that dtype, as
+    autocast casts ``F.linear``'s operands, and it runs as above. Otherwise,
+    under autocast or with operands of different dtypes, it is
     ``F.linear(h.to_dense(), weight, bias)`` (autocast's casts, torch's
     type promotion), plus ``torch.addmm`` of the dense product.
 
@@ -144,6 +147,10 @@ def cbsr_linear(h: CBSR, weight: Tensor, bias: Tensor | None = None, *,
     """
     if (dense is None) != (dense_weight is None):
         raise ValueError("cbsr_linear takes dense and dense_weight together")
+    if _autocasts_to(h):
+        weight, bias, dense, dense_weight = (
+            None if t is None else t.to(h.values.dtype)
+            for t in (weight, bias, dense, dense_weight))
     if h.is_full or _linear_is_dense(h, weight, bias) or (
             dense is not None and not dense.dtype == dense_weight.dtype == h.values.dtype):
         out = F.linear(h.values if h.is_full else to_dense(h), weight, bias)
@@ -162,9 +169,20 @@ def linear_backend(h: CBSR, weight: Tensor, bias: Tensor | None = None) -> str:
     return lib.linear_choice(get_backend(), h.values, h.dim)
 
 
+def _autocasts_to(h: CBSR) -> bool:
+    """Whether autocast is on and casts a linear map's operands to ``h``'s
+    dtype: :func:`cbsr_linear` then casts them itself and keeps its op."""
+    device = h.device.type
+    return (torch.is_autocast_enabled(device) and h.values.is_floating_point()
+            and torch.get_autocast_dtype(device) == h.values.dtype)
+
+
 def _linear_is_dense(h: CBSR, weight: Tensor, bias: Tensor | None) -> bool:
     """Whether :func:`cbsr_linear` is plain ``F.linear`` of the dense input:
-    under autocast or with mixed dtypes (autocast's casts, torch's rules)."""
+    with mixed dtypes, or under an autocast to another dtype than ``h``'s
+    (autocast's casts, torch's rules)."""
+    if _autocasts_to(h):
+        return False
     dtype = h.values.dtype
     return (weight.dtype != dtype or (bias is not None and bias.dtype != dtype)
             or torch.is_autocast_enabled(h.device.type))

@@ -319,13 +319,13 @@ def _cbsr_linear_backward(ctx, grad_out):
     values, indices, weight, dense, dense_weight = ctx.saved_tensors
     need = ctx.needs_input_grad
     grad_out = grad_out.contiguous()
-    grad_values = grad_weight = grad_dense = grad_dense_weight = None
-    if need[0] or need[3]:
-        grad_values, grad_weight = cbsr_linear_backward(
-            grad_out, values, indices, weight, ctx.dim, need[0], need[3], ctx.backend)
+    grad_values = grad_weight = grad_bias = grad_dense = grad_dense_weight = None
+    if need[0] or need[3] or need[4]:
+        grad_values, grad_weight, grad_bias = cbsr_linear_backward(
+            grad_out, values, indices, weight, ctx.dim, need[0], need[3], need[4], ctx.backend)
         grad_values = grad_values if need[0] else None
         grad_weight = grad_weight if need[3] else None
-    grad_bias = grad_out.sum(0) if need[4] else None
+        grad_bias = grad_bias if need[4] else None
     if need[5]:
         grad_dense = grad_out @ dense_weight
     if need[6]:
@@ -336,7 +336,10 @@ def _cbsr_linear_backward(ctx, grad_out):
 
 def _cbsr_linear_backward_impl(grad_out: Tensor, values: Tensor, indices: Tensor,
                                weight: Tensor, dim: int, need_values: bool, need_weight: bool,
-                               backend: str) -> Tuple[Tensor, Tensor]:
+                               need_bias: bool, backend: str) -> Tuple[Tensor, Tensor, Tensor]:
+    # The densify backend's densify, sampling and column sums: the numba
+    # kernels wherever they take the CBSR, else torch's.
+    dense_ops = _impls("densify", backend, values, dim=dim, k=values.size(1))
     if linear_choice(backend, values, dim) == "cpu":
         from . import cpu_ops
         grads = cpu_ops.cbsr_linear_backward(grad_out, values, indices, weight, dim,
@@ -345,17 +348,20 @@ def _cbsr_linear_backward_impl(grad_out: Tensor, values: Tensor, indices: Tensor
         # The numba kernel's backward is the dense path's: cuBLAS GEMMs.
         grads = torch_ops.cbsr_linear_backward(grad_out, values, indices, weight, dim,
                                                need_values, need_weight,
-                                               _densify(backend, values, dim))
+                                               dense_ops.cbsr_to_dense, dense_ops.gather_at)
     grad_values, grad_weight = grads
+    grad_bias = dense_ops.column_sums(grad_out) if need_bias else None
     # Custom ops return tensors: an empty one stands for a gradient not asked for.
     return (grad_values if grad_values is not None else values.new_empty(0),
-            grad_weight if grad_weight is not None else weight.new_empty(0))
+            grad_weight if grad_weight is not None else weight.new_empty(0),
+            grad_bias if grad_bias is not None else grad_out.new_empty(0))
 
 
 def _cbsr_linear_backward_fake(grad_out, values, indices, weight, dim, need_values,
-                               need_weight, backend):
+                               need_weight, need_bias, backend):
     return (values.new_empty(values.shape) if need_values else values.new_empty(0),
-            weight.new_empty(weight.shape) if need_weight else weight.new_empty(0))
+            weight.new_empty(weight.shape) if need_weight else weight.new_empty(0),
+            grad_out.new_empty(grad_out.size(1)) if need_bias else grad_out.new_empty(0))
 
 
 cbsr_linear_backward = KernelOp("cbsr_linear_backward", _cbsr_linear_backward_impl,

@@ -30,10 +30,11 @@ from ..dispatch import half_reductions_allowed
 from ..graph import GraphOperands
 from ..kernels import geometry
 from ..kernels._warp import WARP
-from ..kernels.linear import column_tiles, linear_blocks, linear_kernel, linear_shared_bytes
-from ..kernels.maxk_select import densify_kernel, select_kernel
+from ..kernels.linear import (column_sum_kernel, column_sum_slices, column_tiles, linear_blocks,
+                              linear_kernel, linear_shared_bytes)
+from ..kernels.maxk_select import densify_kernel, gather_kernel, select_kernel
 from ..kernels._vector import PACKED_HALF_SLOTS
-from ..kernels.spgemm import (pair_width_fits, reads_pairs, sddmm_kernel,
+from ..kernels.spgemm import (pair_width_fits, pairs_kernel, reads_pairs, sddmm_kernel,
                               spgemm_kernel, spgemm_vector_width, sspmm_kernel,
                               sspmm_vector_width)
 from ._common import as_dtype, spgemm_dtype
@@ -43,7 +44,7 @@ KERNEL_DTYPE = torch.float32
 UINT32_MAX = 2**32 - 1
 #: Edges from which the forward reads the CBSR as (value, index) pairs
 #: (:func:`value_index_pairs`, :func:`~pyg_maxk.kernels.spgemm.reads_pairs`).
-#: Building them costs two copy launches (host time that small graphs would
+#: Building them costs a kernel launch (host time that small graphs would
 #: notice) and saves one L2 request per edge, which pays on large graphs.
 PAIRS_MIN_EDGES = 1 << 24
 
@@ -112,6 +113,23 @@ def cbsr_to_dense(values: Tensor, indices: Tensor, dim: int) -> Tensor:
     return as_dtype(dense, values.dtype)
 
 
+def gather_at(dense: Tensor, indices: Tensor) -> Tensor:
+    """``dense.gather(1, indices)`` as ``[N, k]`` in ``dense``'s dtype (float32
+    for other types), for the CBSR pattern ``indices`` of ``dense``'s rows,
+    read as stored (no int64 copy)."""
+    n, k = indices.shape
+    half = half_kind(dense.dtype)
+    check_cbsr_offsets(n, k, 0)
+    values = torch.empty(n, k, dtype=dense.dtype if half else KERNEL_DTYPE, device=dense.device)
+    if n * k > 0:
+        run = launcher()
+        threads = geometry.block_threads()
+        blocks = min(-(-n * k // threads), run.max_blocks(dense.device, threads))
+        run(gather_kernel(k, bool(half)), blocks, threads, dense.device, _kernel_input(dense),
+            indices.contiguous().view(-1), _kernel_input(values).view(-1), n * k)
+    return values
+
+
 # ------------------------------------------------------------ linear op
 def cbsr_linear(values: Tensor, indices: Tensor, dim: int, weight: Tensor,
                 bias: Optional[Tensor]) -> Tensor:
@@ -135,6 +153,22 @@ def cbsr_linear(values: Tensor, indices: Tensor, dim: int, weight: Tensor,
             _kernel_input(values), indices.contiguous(), weight_t,
             _or_unread(_as_kernel_dtype(bias), weight_t), out, n)
     return out
+
+
+def column_sums(x: Tensor) -> Tensor:
+    """``x.sum(0)`` of a ``[N, C]`` float32 or half-precision ``x``, summed in
+    float32 (:func:`~pyg_maxk.kernels.linear.column_sum_kernel`) and returned
+    in ``x``'s dtype: the gradient of a bias."""
+    n, columns = x.shape
+    out = torch.zeros(columns, dtype=KERNEL_DTYPE, device=x.device)
+    if n > 0 and columns > 0:
+        run = launcher()
+        threads = geometry.block_threads()
+        resident = run.resident_blocks(x.device, threads, 0) * threads
+        slices = column_sum_slices(n, columns, resident)
+        run(column_sum_kernel(columns, half_kind(x.dtype)), -(-slices * columns // threads),
+            threads, x.device, _kernel_input(x), out, n, slices)
+    return as_dtype(out, x.dtype)
 
 
 # ------------------------------------------------------------ SpGEMM ops
@@ -184,21 +218,23 @@ def _has_vector_atomics(device: torch.device) -> bool:
 
 def value_index_pairs(values: Tensor, indices: Tensor) -> Tensor:
     """The CBSR as the forward reads it on large graphs
-    (:func:`~pyg_maxk.kernels.spgemm.reads_pairs`): ``[N, k, 2]`` float32,
+    (:func:`~pyg_maxk.kernels.spgemm.reads_pairs`), built by one kernel
+    (:func:`~pyg_maxk.kernels.spgemm.pairs_kernel`): ``[N, k, 2]`` float32,
     each slot's value (as float32) beside its column index (as float32,
     exact below 2**24); for half-precision values ``[N, k]`` int32, the
     value's 16-bit pattern in the low half of each word and the index
     (below 2**16) in the high half."""
-    if values.dtype in HALF_KINDS:
-        # Two 16-bit halves per word, written by two copies (no temporaries).
-        halves = torch.empty(*values.shape, 2, dtype=torch.int16, device=values.device)
-        halves[..., 0] = values.detach().view(torch.int16)
-        halves[..., 1] = indices
-        return halves.view(torch.int32).view(values.shape)
-    pairs = torch.empty(*values.shape, 2, dtype=KERNEL_DTYPE, device=values.device)
-    pairs[..., 0] = values.detach()
-    pairs[..., 1] = indices
-    return pairs
+    half = values.dtype in HALF_KINDS
+    pairs = torch.empty(*values.shape, 2, dtype=torch.int16 if half else KERNEL_DTYPE,
+                        device=values.device)
+    slots = values.numel()
+    if slots > 0:
+        run = launcher()
+        threads = geometry.block_threads()
+        blocks = min(-(-slots // threads), run.max_blocks(values.device, threads))
+        run(pairs_kernel(half), blocks, threads, values.device,
+            _kernel_input(values).view(-1), indices.contiguous().view(-1), pairs.view(-1), slots)
+    return pairs.view(torch.int32).view(values.shape) if half else pairs
 
 
 def _uses_pairs(k: int, num_edges: int, dtype: torch.dtype = KERNEL_DTYPE) -> bool:
@@ -229,25 +265,33 @@ def spgemm(g: GraphOperands, values: Tensor, indices: Tensor, num_dst: int,
     for the CBSR ``h = (values, indices)`` of width ``dim`` (within
     :func:`supports`). A graph
     with a per-row scale (a mean without edge values) is aggregated
-    unweighted and scaled once per output row."""
+    unweighted and scaled once per output row. A half-precision result is
+    written as such, each float32 sum rounded once."""
     k = values.size(1)
     check_cbsr_offsets(values.size(0), k, g.col.numel(), values.dtype)
     weight, row_scale = kernel_weights(g)
-    # Only the rows no single item writes whole start from zero, not all of
-    # [num_dst, dim] (about a tenth of the rows on a power-law graph).
-    out = torch.empty(num_dst, dim, dtype=KERNEL_DTYPE, device=values.device)
-    if g.zeroed_rows.numel() > 0:
-        out.index_fill_(0, g.zeroed_rows, 0.0)
+    out_dtype = spgemm_dtype(values, g)
+    out_half = half_kind(out_dtype)
+    # Rows that one item writes whole are stored once, in the result's type;
+    # the others (split or without edges, about a tenth on a power-law
+    # graph) are summed in float32 in `partial` and copied in afterwards.
+    out = torch.empty(num_dst, dim, dtype=out_dtype if out_half else KERNEL_DTYPE,
+                      device=values.device)
+    num_zeroed = g.zeroed_rows.numel()
+    partial = torch.zeros(max(num_zeroed, 1), dim, dtype=KERNEL_DTYPE, device=values.device)
     num_items = g.item_row.numel()
     if num_items > 0:
         run, threads, blocks = _item_launch(num_items, values.device)
         flat, index_words, width, bits, pairs = _spgemm_operands(values, indices, g.col.numel())
         kernel = spgemm_kernel(dim, k, threads, weight is not None, row_scale is not None,
-                               width, bits, pairs, half_kind(values.dtype))
+                               width, bits, pairs, half_kind(values.dtype), out_half)
         run(kernel, blocks, threads, values.device, g.item_row, g.item_start, g.item_end,
             g.item_split, g.col, _or_unread(weight, g.item_start),
-            _or_unread(row_scale, g.item_start), flat, index_words, out, num_items)
-    return as_dtype(out, spgemm_dtype(values, g))
+            _or_unread(row_scale, g.item_start), flat, index_words, _kernel_input(out),
+            partial, num_items)
+    if num_zeroed > 0:
+        out.index_copy_(0, g.zeroed_rows, as_dtype(partial, out.dtype))
+    return as_dtype(out, out_dtype)
 
 
 def _or_unread(optional: Optional[Tensor], stand_in: Tensor) -> Tensor:

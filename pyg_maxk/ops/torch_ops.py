@@ -18,6 +18,7 @@ from ..graph import GraphOperands
 from ._common import aggregation_dtype, dtype_of, spgemm_dtype
 
 Densify = Callable[[Tensor, Tensor, int], Tensor]
+Gather = Callable[[Tensor, Tensor], Tensor]
 
 
 def maxk_select(x: Tensor, k: int) -> Tuple[Tensor, Tensor]:
@@ -31,6 +32,16 @@ def cbsr_to_dense(values: Tensor, indices: Tensor, dim: int) -> Tensor:
     out = values.new_zeros(values.size(0), dim)
     # In place: out-of-place scatter would copy the zeros once more.
     return out.scatter_(1, indices.long(), values)
+
+
+def gather_at(dense: Tensor, indices: Tensor) -> Tensor:
+    """``dense`` at the CBSR pattern ``indices``: ``[N, k]``."""
+    return dense.gather(1, indices.long())
+
+
+def column_sums(x: Tensor) -> Tensor:
+    """``x.sum(0)``: the gradient of a bias."""
+    return x.sum(0)
 
 
 def csr_matrix(rowptr: Tensor, col: Tensor, weight: Optional[Tensor], num_dst: int,
@@ -110,14 +121,14 @@ def cbsr_linear(values: Tensor, indices: Tensor, dim: int, weight: Tensor,
 
 def cbsr_linear_backward(grad_out: Tensor, values: Tensor, indices: Tensor, weight: Tensor,
                          dim: int, need_values: bool, need_weight: bool,
-                         densify: Densify = cbsr_to_dense
+                         densify: Densify = cbsr_to_dense, gather: Gather = gather_at
                          ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
     """``(grad_out @ W)`` at the CBSR pattern and ``grad_out^T @ dense(h)``
     (None where not needed), rebuilding ``dense(h)`` from the CBSR."""
     grad_values = grad_weight = None
     with torch.autocast(grad_out.device.type, enabled=False):
         if need_values:
-            grad_values = (grad_out @ weight).gather(1, indices.long())
+            grad_values = gather(grad_out @ weight, indices)
         if need_weight:
             grad_weight = grad_out.t() @ densify(values, indices, dim)
     return grad_values, grad_weight
