@@ -66,7 +66,7 @@ class WorkSchedule:
     without edges have no item. ``zeroed_rows`` lists the rows that no single
     item writes whole (those without edges and the split ones). The forward
     sums them in a zeroed float32 array of one row per zeroed row, with
-    atomics, and copies it into its output: ``split[t]`` is 0 for an item
+    atomics, and then stores it into its output: ``split[t]`` is 0 for an item
     that writes its row whole, else 1 + the position of ``row[t]`` in
     ``zeroed_rows``.
     """

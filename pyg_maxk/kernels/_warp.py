@@ -1,4 +1,5 @@
-"""Warp-level helpers shared by the kernels.
+"""Warp-level helpers shared by the kernels, and the grid-stride span of
+the kernels that take one thread per element.
 
 Numba's simulator has no ``syncwarp``, shuffles or ballots: there the
 launchers use one-warp blocks, ``syncthreads`` stands in for ``syncwarp`` (the
@@ -20,6 +21,19 @@ from numba import int32, uint32  # noqa: E402 (after the numpy shim)
 
 WARP = 32
 FULL_MASK = 0xFFFFFFFF
+
+
+@functools.lru_cache(maxsize=None)
+def thread_span():
+    """``first, stride = span()``: this thread's first element of a
+    grid-stride loop over a flat array and the loop's stride, as uint32
+    (Numba compares mixed signed/unsigned bounds in float64)."""
+    @cuda.jit(device=True, inline=True)
+    def span():
+        threads = uint32(cuda.blockDim.x)
+        return (uint32(cuda.blockIdx.x) * threads + uint32(cuda.threadIdx.x),
+                uint32(cuda.gridDim.x) * threads)
+    return span
 
 
 @functools.lru_cache(maxsize=None)

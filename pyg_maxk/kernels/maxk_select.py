@@ -44,7 +44,7 @@ cuda = cuda_module()
 from numba import float32, int16, uint32  # noqa: E402 (after the numpy shim)
 
 from ._half import float_bits  # noqa: E402
-from ._warp import (WARP, cbsr_row_loader, warp_exclusive_sum, warp_rank,  # noqa: E402
+from ._warp import (WARP, cbsr_row_loader, thread_span, warp_exclusive_sum, warp_rank,  # noqa: E402
                     warp_sum, warp_sync)
 
 #: Rows (warps) per block on a GPU; the simulator runs one-warp blocks.
@@ -253,13 +253,12 @@ def gather_kernel(k: int, bits16: bool = False):
     bytes of the sampled rows, where :func:`torch.gather` first needs an
     int64 copy of the indices."""
     kk = uint32(k)
+    span = thread_span()
 
     @kernel_jit()
     def gather(dense, indices, values, num_slots):
-        n = uint32(num_slots)
-        stride = uint32(cuda.gridDim.x) * uint32(cuda.blockDim.x)
-        for s in range(uint32(cuda.blockIdx.x) * uint32(cuda.blockDim.x)
-                       + uint32(cuda.threadIdx.x), n, stride):
+        first, stride = span()
+        for s in range(first, uint32(num_slots), stride):
             values[s] = dense[s // kk, uint32(indices[s])]
 
     return gather

@@ -27,8 +27,9 @@ shared-memory row ``acc[g, :dim]`` (rows :data:`ROW_PAD` floats apart)::
 
 A row that spans several items (a split row) is summed instead with float32
 atomic adds into its row of a separate float32 array, ``partial``, which
-the caller copies into ``out`` (:class:`pyg_maxk.graph.WorkSchedule`): the
-partial sums of a half-precision output stay float32 until the last one.
+:func:`zeroed_rows_kernel` then stores into ``out``
+(:class:`pyg_maxk.graph.WorkSchedule`): the partial sums of a
+half-precision output stay float32 until the last one.
 
 where ``a_e`` is the edge's value, or 1 when the graph gives a per-row scale
 ``s_r`` instead (a mean without edge values), applied once per output entry
@@ -72,7 +73,7 @@ from typing import Tuple
 from ._half import narrow, widen
 from ._numba import cuda_module, kernel_jit, simulator_enabled
 from ._vector import PACKED_HALF_SLOTS, packed_half_atomic_add, vector_atomic_add, vector_load
-from ._warp import FULL_MASK, WARP, warp_sync
+from ._warp import FULL_MASK, WARP, thread_span, warp_sync
 
 # Module-level name `cuda`: Numba's simulator swaps exactly this global.
 cuda = cuda_module()
@@ -191,17 +192,38 @@ def pairs_kernel(half: bool):
     index (below 2**16) in its high half; else they are float32 and the
     index is a float (exact below 2**24). One thread per slot (grid-stride)."""
     element = int16 if half else float32
+    span = thread_span()
 
     @kernel_jit()
     def pack(values, indices, pairs, num_slots):
-        n = uint32(num_slots)
-        stride = uint32(cuda.gridDim.x) * uint32(cuda.blockDim.x)
-        for s in range(uint32(cuda.blockIdx.x) * uint32(cuda.blockDim.x)
-                       + uint32(cuda.threadIdx.x), n, stride):
+        first, stride = span()
+        for s in range(first, uint32(num_slots), stride):
             pairs[uint32(2) * s] = values[s]
             pairs[uint32(2) * s + uint32(1)] = element(indices[s])
 
     return pack
+
+
+@functools.lru_cache(maxsize=None)
+def zeroed_rows_kernel(out_half: str = ""):
+    """``out[rows[z], :] = partial[z, :]``, each float32 rounded to ``out``'s
+    type (``out_half``, see :mod:`._half`; float32 for ``""``): the rows of
+    the forward's result that no single item writes whole, summed in
+    ``partial`` by :func:`spgemm_kernel`. One thread per entry of ``partial``
+    (grid-stride), so one launch stores them all, whatever the row lengths."""
+    store = narrow(out_half)
+    span = thread_span()
+
+    @kernel_jit()
+    def store_rows(partial, rows, out, num_entries):
+        dim = uint32(partial.shape[1])
+        first, stride = span()
+        for s in range(first, uint32(num_entries), stride):
+            z = s // dim
+            d = s - z * dim
+            out[rows[z], d] = store(partial[z, d])
+
+    return store_rows
 
 
 def fits_shared_memory(k: int, dim: int, warps: int) -> bool:

@@ -36,7 +36,7 @@ from ..kernels.maxk_select import densify_kernel, gather_kernel, select_kernel
 from ..kernels._vector import PACKED_HALF_SLOTS
 from ..kernels.spgemm import (pair_width_fits, pairs_kernel, reads_pairs, sddmm_kernel,
                               spgemm_kernel, spgemm_vector_width, sspmm_kernel,
-                              sspmm_vector_width)
+                              sspmm_vector_width, zeroed_rows_kernel)
 from ._common import as_dtype, spgemm_dtype
 from ._launch import device_index, launcher
 
@@ -274,7 +274,7 @@ def spgemm(g: GraphOperands, values: Tensor, indices: Tensor, num_dst: int,
     out_half = half_kind(out_dtype)
     # Rows that one item writes whole are stored once, in the result's type;
     # the others (split or without edges, about a tenth on a power-law
-    # graph) are summed in float32 in `partial` and copied in afterwards.
+    # graph) are summed in float32 in `partial` and stored afterwards (one launch).
     out = torch.empty(num_dst, dim, dtype=out_dtype if out_half else KERNEL_DTYPE,
                       device=values.device)
     num_zeroed = g.zeroed_rows.numel()
@@ -290,7 +290,12 @@ def spgemm(g: GraphOperands, values: Tensor, indices: Tensor, num_dst: int,
             _or_unread(row_scale, g.item_start), flat, index_words, _kernel_input(out),
             partial, num_items)
     if num_zeroed > 0:
-        out.index_copy_(0, g.zeroed_rows, as_dtype(partial, out.dtype))
+        run = launcher()
+        threads = geometry.block_threads()
+        entries = num_zeroed * dim
+        blocks = min(-(-entries // threads), run.max_blocks(values.device, threads))
+        run(zeroed_rows_kernel(out_half), blocks, threads, values.device, partial,
+            g.zeroed_rows, _kernel_input(out), entries)
     return as_dtype(out, out_dtype)
 
 
