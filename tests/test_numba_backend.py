@@ -346,20 +346,24 @@ def test_maxk_select_writes_bank_major_order():
     assert h.values.cpu().tolist() == [[64.0, 65, 66, 67, 68, 69, 60, 61, 62, 63]] * 3
 
 
-@pytest.mark.parametrize("num_rows,dim,k", [(13, 40, 1), (13, 40, 39), (9, 300, 12),
-                                            (7, 80, 70), (5, 300, 200), (0, 16, 3)])
-def test_to_dense_kernel_writes_whole_rows(num_rows, dim, k):
+@pytest.mark.parametrize("num_rows,dim,k,dtype", [
+    (13, 40, 1, torch.float32), (13, 40, 39, torch.float32), (9, 300, 12, torch.float32),
+    (7, 80, 70, torch.float32), (5, 300, 200, torch.float32), (0, 16, 3, torch.float32),
+    (13, 40, 7, torch.bfloat16), (9, 301, 12, torch.bfloat16), (5, 300, 200, torch.float16)])
+def test_to_dense_kernel_writes_whole_rows(num_rows, dim, k, dtype):
     # The output is never zero-filled: poison shows any entry left unwritten.
     # More rows than warps (each warp loads its next row ahead), and k=200:
     # slots beyond DENSIFY_AHEAD * 32 are loaded when their row is built.
-    h = random_cbsr(num_rows, dim, k, seed=dim + k)
+    # Half rows of even width are stored as words of two entries, of odd
+    # width one entry at a time.
+    h = random_cbsr(num_rows, dim, k, seed=dim + k, dtype=dtype)
     values = h.values.clone().requires_grad_()
     poison_allocator()
     with pyg_maxk.use_backend("numba"):
         dense = h.with_values(values).to_dense()
     assert dense.shape == (num_rows, dim)
     torch.testing.assert_close(dense, dense_reference(h), rtol=0, atol=0)
-    g = torch.randn(num_rows, dim).to(DEVICE)
+    g = torch.randn(num_rows, dim).to(DEVICE, dtype)
     dense.backward(g)
     torch.testing.assert_close(values.grad, g.gather(1, h.long_indices()), rtol=0, atol=0)
 
@@ -649,8 +653,9 @@ def test_maxk_uses_the_select_kernel_up_to_its_measured_width(monkeypatch):
         torch.testing.assert_close(pyg_maxk.maxk(wide, 4).values, wide.topk(4, dim=1).values)
 
 
-@pytest.mark.parametrize("dtype", HALF)
-def test_half_aggregation_is_the_float32_sum_rounded_once(monkeypatch, dtype):
+@pytest.mark.parametrize("dtype,dim", [(torch.bfloat16, 48), (torch.float16, 48),
+                                       (torch.bfloat16, 45)])
+def test_half_aggregation_is_the_float32_sum_rounded_once(monkeypatch, dtype, dim):
     # A half-precision aggregation is stored by the kernel itself: each
     # float32 sum rounded once, bit for bit the float32 kernel's sum of the
     # same (widened) values rounded by torch; rows split over work items
@@ -664,7 +669,7 @@ def test_half_aggregation_is_the_float32_sum_rounded_once(monkeypatch, dtype):
         graph = CSRGraph.from_adj(torch.stack([src, dst]).to(DEVICE), (30, 25),
                                   normalization=normalization)
         assert bool(split_items(graph, 8).any())
-        h = random_cbsr(30, 48, 8, seed=6, dtype=dtype)
+        h = random_cbsr(30, dim, 8, seed=6, dtype=dtype)
         with pyg_maxk.use_backend("numba"):
             poison_allocator()
             out = pyg_maxk.aggregate(graph, h)

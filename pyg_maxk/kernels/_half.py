@@ -28,7 +28,7 @@ from ._numba import cuda_module, simulator_enabled
 
 # Module-level name `cuda`: Numba's simulator swaps exactly this global.
 cuda = cuda_module()
-from numba import int16, uint32  # noqa: E402 (after the numpy shim)
+from numba import int16, int32, uint32  # noqa: E402 (after the numpy shim)
 
 HALF_KINDS = ("bf16", "fp16")
 _LOW16 = uint32(0xFFFF)
@@ -42,6 +42,15 @@ _BF16_HALFWAY = uint32(0x7FFF)
 def _check(kind: str) -> None:
     if kind not in HALF_KINDS:
         raise ValueError(f"Unknown half-precision kind {kind!r}; one of {HALF_KINDS}")
+
+
+@functools.lru_cache(maxsize=None)
+def _identity():
+    """``x -> x``: :func:`widen` and :func:`narrow` of float32 storage."""
+    @cuda.jit(device=True, inline=True)
+    def same(x):
+        return x
+    return same
 
 
 @functools.lru_cache(maxsize=None)
@@ -69,10 +78,7 @@ def widen(kind: str):
     """``value(x) -> float32``: the ``kind`` half whose 16-bit pattern is
     ``x``, as a float32 (``x`` itself for ``kind`` ``""``)."""
     if not kind:
-        @cuda.jit(device=True, inline=True)
-        def same(x):
-            return x
-        return same
+        return _identity()
     _check(kind)
     if simulator_enabled():
         return _simulated_widen(kind)
@@ -97,10 +103,7 @@ def narrow(kind: str):
     to the ``kind`` half, to nearest even (a NaN to a quiet NaN); ``x``
     itself for ``kind`` ``""``."""
     if not kind:
-        @cuda.jit(device=True, inline=True)
-        def same(x):
-            return x
-        return same
+        return _identity()
     _check(kind)
     if simulator_enabled():
         return _simulated_narrow(kind)
@@ -122,6 +125,25 @@ def narrow(kind: str):
     def bits(x):
         return float_to_fp16(x)
     return bits
+
+
+def stores_pairs(half: bool, dim: int) -> bool:
+    """Whether a kernel writing rows of ``dim`` half-precision entries
+    stores them two at a time, as 32-bit words (the array then viewed as
+    ``int32 [N, dim / 2]``): twice the bytes per store, where a 2-byte
+    store per lane leaves a row-writing kernel well below the memory's
+    bandwidth (H200: 118 against 92 us for a ``[232965, 256]`` densify)."""
+    return half and dim % 2 == 0
+
+
+@functools.lru_cache(maxsize=None)
+def pair_word():
+    """``word(lo, hi) -> int32``: two 16-bit patterns as one 32-bit word,
+    ``lo`` in its low half (the first of two consecutive half elements)."""
+    @cuda.jit(device=True, inline=True)
+    def word(lo, hi):
+        return int32((uint32(lo) & _LOW16) | (uint32(hi) << _SIXTEEN))
+    return word
 
 
 # ------------------------------------------------------------- intrinsics

@@ -43,7 +43,7 @@ from ._numba import cuda_module, kernel_jit
 cuda = cuda_module()
 from numba import float32, int16, uint32  # noqa: E402 (after the numpy shim)
 
-from ._half import float_bits  # noqa: E402
+from ._half import float_bits, pair_word, stores_pairs  # noqa: E402
 from ._warp import (WARP, cbsr_row_loader, thread_span, warp_exclusive_sum, warp_rank,  # noqa: E402
                     warp_sum, warp_sync)
 
@@ -193,7 +193,9 @@ def densify_kernel(dim: int, k: int, rows_per_block: int, bits16: bool = False):
     lanes' shared-memory stores never collide.
 
     The warp loads its next row's values and indices before it writes the
-    current row, so their latency hides behind the stores.
+    current row, so their latency hides behind the stores. Half rows of even
+    ``dim`` are stored two entries at a time (:func:`~._half.stores_pairs`:
+    ``dense`` is then viewed as ``int32 [N, dim / 2]``).
     """
     if not densify_fits(dim, rows_per_block):
         raise ValueError(f"dim={dim} is too wide for the densify kernel's shared memory")
@@ -205,6 +207,10 @@ def densify_kernel(dim: int, k: int, rows_per_block: int, bits16: bool = False):
     rest_from = uint32(ahead * WARP)  # slots beyond: loaded when their row is built
     element = int16 if bits16 else float32
     zero = element(0)
+    pairs = stores_pairs(bits16, dim)
+    words = uint32(dim // 2)
+    word = pair_word()
+    two = uint32(2)
 
     @kernel_jit()
     def densify(values, indices, dense, num_rows):
@@ -231,8 +237,12 @@ def densify_kernel(dim: int, k: int, rows_per_block: int, bits16: bool = False):
             if following < n:
                 load_ahead(values, indices, following, lane, val, pos)
             sync()
-            for d in range(lane, d32, w32):
-                dense[row, d] = row_buf[warp, d]
+            if pairs:
+                for w in range(lane, words, w32):
+                    dense[row, w] = word(row_buf[warp, two * w], row_buf[warp, two * w + uint32(1)])
+            else:
+                for d in range(lane, d32, w32):
+                    dense[row, d] = row_buf[warp, d]
             sync()  # the next row's zeros wait for these reads
             row = following
 

@@ -70,7 +70,7 @@ from __future__ import annotations
 import functools
 from typing import Tuple
 
-from ._half import narrow, widen
+from ._half import narrow, pair_word, widen
 from ._numba import cuda_module, kernel_jit, simulator_enabled
 from ._vector import PACKED_HALF_SLOTS, packed_half_atomic_add, vector_atomic_add, vector_load
 from ._warp import FULL_MASK, WARP, thread_span, warp_sync
@@ -205,23 +205,31 @@ def pairs_kernel(half: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def zeroed_rows_kernel(out_half: str = ""):
+def zeroed_rows_kernel(out_half: str = "", pairs: bool = False):
     """``out[rows[z], :] = partial[z, :]``, each float32 rounded to ``out``'s
     type (``out_half``, see :mod:`._half`; float32 for ``""``): the rows of
     the forward's result that no single item writes whole, summed in
-    ``partial`` by :func:`spgemm_kernel`. One thread per entry of ``partial``
-    (grid-stride), so one launch stores them all, whatever the row lengths."""
+    ``partial`` by :func:`spgemm_kernel`. One thread per entry of
+    ``partial`` (grid-stride), so one launch stores them all, whatever the
+    row lengths; with ``pairs`` (:func:`~._half.stores_pairs`) one per two
+    entries, ``out`` viewed as 32-bit words of two half patterns."""
     store = narrow(out_half)
     span = thread_span()
+    word = pair_word()
+    two = uint32(2)
 
     @kernel_jit()
-    def store_rows(partial, rows, out, num_entries):
-        dim = uint32(partial.shape[1])
+    def store_rows(partial, rows, out, num_stores):
+        per_row = uint32(out.shape[1])
         first, stride = span()
-        for s in range(first, uint32(num_entries), stride):
-            z = s // dim
-            d = s - z * dim
-            out[rows[z], d] = store(partial[z, d])
+        for s in range(first, uint32(num_stores), stride):
+            z = s // per_row
+            d = s - z * per_row
+            if pairs:
+                out[rows[z], d] = word(store(partial[z, two * d]),
+                                       store(partial[z, two * d + uint32(1)]))
+            else:
+                out[rows[z], d] = store(partial[z, d])
 
     return store_rows
 

@@ -29,6 +29,7 @@ from ..cbsr import index_dtype_for
 from ..dispatch import half_reductions_allowed
 from ..graph import GraphOperands
 from ..kernels import geometry
+from ..kernels._half import stores_pairs
 from ..kernels._warp import WARP
 from ..kernels.linear import (column_sum_kernel, column_sum_slices, column_tiles, linear_blocks,
                               linear_kernel, linear_shared_bytes)
@@ -108,8 +109,11 @@ def cbsr_to_dense(values: Tensor, indices: Tensor, dim: int) -> Tensor:
                         device=values.device)  # rows written whole
     if n > 0:
         run, rows_per_block, threads, blocks = _row_launch(n, values.device)
+        pairs = stores_pairs(bool(half), dim)
+        target = _kernel_input(dense)
         run(densify_kernel(dim, k, rows_per_block, bool(half)), blocks, threads, values.device,
-            _kernel_input(values), indices.contiguous(), _kernel_input(dense), n)
+            _kernel_input(values), indices.contiguous(),
+            target.view(torch.int32) if pairs else target, n)
     return as_dtype(dense, values.dtype)
 
 
@@ -292,10 +296,13 @@ def spgemm(g: GraphOperands, values: Tensor, indices: Tensor, num_dst: int,
     if num_zeroed > 0:
         run = launcher()
         threads = geometry.block_threads()
-        entries = num_zeroed * dim
-        blocks = min(-(-entries // threads), run.max_blocks(values.device, threads))
-        run(zeroed_rows_kernel(out_half), blocks, threads, values.device, partial,
-            g.zeroed_rows, _kernel_input(out), entries)
+        pairs = stores_pairs(bool(out_half), dim)
+        target = _kernel_input(out)
+        target = target.view(torch.int32) if pairs else target
+        stores = num_zeroed * target.size(1)
+        blocks = min(-(-stores // threads), run.max_blocks(values.device, threads))
+        run(zeroed_rows_kernel(out_half, pairs), blocks, threads, values.device, partial,
+            g.zeroed_rows, target, stores)
     return as_dtype(out, out_dtype)
 
 
