@@ -16,7 +16,11 @@ With ``--dtype bf16`` (or ``fp16``) the MaxK features, CBSR values and output
 gradients are in that type (the kernels accumulate in float32), checked
 against the torch backend on the same half inputs; the stock SpMM is also
 timed with a matrix and features of that type (``stock_spmm_half``, or the
-error it raises).
+error it raises). ``--half-reductions`` also times the SSpMM with
+:func:`pyg_maxk.allow_half_reductions` where ``k`` is a multiple of 8
+(``maxk_sspmm_half_reductions``,
+checked against float32 sums to the looser tolerance its repeated rounding
+needs), against the same stock backward.
 Writes benchmarks/results/kernels[-tiny].json and kernels[-tiny].png.
 """
 from __future__ import annotations
@@ -50,6 +54,9 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                    help="type of the MaxK features and CBSR values")
+    p.add_argument("--half-reductions", action="store_true",
+                   help="with a half --dtype, also time the SSpMM with "
+                        "pyg_maxk.allow_half_reductions")
     p.add_argument("--out", default=str(RESULTS))
     return p.parse_args(argv)
 
@@ -63,7 +70,8 @@ def main(argv=None):
         device = torch.device("cpu")
         global WARMUP
         nodes, edges, max_deg = args.nodes or 100, args.edges or 500, args.max_degree or 50
-        ks, dims, repeats, WARMUP = [4], [64], 1, 0
+        # Half reductions pack 8 slots: k=8 there.
+        ks, dims, repeats, WARMUP = [8 if args.half_reductions else 4], [64], 1, 0
         # The cpu backend takes float32/float64 only.
         backends = ["cpu", "numba"] if args.dtype == "float32" else ["numba"]
     else:
@@ -83,6 +91,8 @@ def main(argv=None):
     graph = CSRGraph.from_adj(ei, (nodes, nodes), normalization="mean")
     del ei
     dtype = DTYPES[args.dtype]
+    if args.half_reductions and dtype == torch.float32:
+        raise SystemExit("--half-reductions needs a half --dtype (bf16 or fp16)")
     a_csr = graph.torch_csr(torch.float32)
     a_csr32 = torch.sparse_csr_tensor(a_csr.crow_indices().int(), a_csr.col_indices().int(),
                                       a_csr.values(), a_csr.shape)
@@ -116,15 +126,22 @@ def main(argv=None):
                 if stock_half is not None:
                     row["stock_spmm_half"] = stock_half
                 row.update(time_backend(backend, graph, x, grad, k, ref, a_t, device,
-                                        repeats))
+                                        repeats, args.half_reductions))
                 row["speedup_spgemm"] = fastest_stock / row["maxk_spgemm"]["median_ms"]
                 row["speedup_sspmm"] = dense_bwd["median_ms"] / row["maxk_sspmm"]["median_ms"]
+                if "maxk_sspmm_half_reductions" in row:
+                    row["speedup_sspmm_half_reductions"] = (
+                        dense_bwd["median_ms"] / row["maxk_sspmm_half_reductions"]["median_ms"])
                 rows.append(row)
                 print(f"dim {dim:4d} k {k:4d} [{backend}]: {stock} (faster of int64/int32) "
                       f"{fastest_stock:8.3f} ms | SpGEMM {row['maxk_spgemm']['median_ms']:8.3f} ms "
                       f"({row['speedup_spgemm']:.2f}x) | stock bwd {dense_bwd['median_ms']:8.3f}"
                       f" ms | SSpMM {row['maxk_sspmm']['median_ms']:8.3f} ms "
-                      f"({row['speedup_sspmm']:.2f}x) | select {row['maxk_select']['median_ms']:.3f}"
+                      f"({row['speedup_sspmm']:.2f}x)"
+                      + (f", half reductions {row['maxk_sspmm_half_reductions']['median_ms']:.3f}"
+                         f" ms ({row['speedup_sspmm_half_reductions']:.2f}x)"
+                         if "maxk_sspmm_half_reductions" in row else "")
+                      + f" | select {row['maxk_select']['median_ms']:.3f}"
                       f" ms vs topk {topk['median_ms']:.3f} ms"
                       + (f" | linear {row['maxk_linear']['median_ms']:.3f} ms vs dense "
                          f"{row['dense_linear']['median_ms']:.3f} ms" if "maxk_linear" in row
@@ -136,6 +153,7 @@ def main(argv=None):
         name += f"-{args.dtype}"
     payload = {"benchmark": "kernels", "environment": environment(device),
                "stock_spmm": stock, "backends": backends, "dtype": args.dtype,
+               "half_reductions": args.half_reductions,
                "graph": {"nodes": nodes, "edges": graph.num_edges,
                          "max_in_degree": int(graph.in_degree().max()),
                          "build_ms": t_build["median_ms"]},
@@ -161,12 +179,21 @@ def guarded_time(fn, device, repeats: int) -> dict:
         return {"skipped": f"RuntimeError: {str(err).splitlines()[0][:200]}"}
 
 
-def time_backend(backend: str, graph, x, grad, k, ref, a_t, device, repeats) -> dict:
+#: Norm-relative agreement of the half-reduction SSpMM with float32 sums: each
+#: packed addition rounds the running sum (``pyg_maxk.allow_half_reductions``
+#: documents the bound; measured 5% for bf16 on the Reddit-shaped graph).
+HALF_REDUCTION_TOL = {torch.bfloat16: 0.1, torch.float16: 0.02}
+
+
+def time_backend(backend: str, graph, x, grad, k, ref, a_t, device, repeats,
+                 half_reductions: bool = False) -> dict:
     """Select, SpGEMM, SSpMM and (where its kernel takes the shape) the CBSR
     linear map of one backend (``"numba"`` or ``"cpu"``), each checked
     against the torch backend before it is timed: the selected values
     against ``ref`` (torch.topk), the products on the backend's own CBSR (tied
     entries, common in bf16, may keep other columns than torch.topk's)."""
+    from pyg_maxk.dispatch import half_reductions_allowed
+    from pyg_maxk.kernels._vector import PACKED_HALF_SLOTS  # after --tiny's simulator switch
     from pyg_maxk.ops import _library as lib
     nodes, dim = x.shape
     tol = CHECK_TOL[x.dtype]
@@ -196,6 +223,18 @@ def time_backend(backend: str, graph, x, grad, k, ref, a_t, device, repeats) -> 
     assert row["sspmm_rel_error"] < tol, row
     row["maxk_sspmm"] = timed(lambda: lib.sspmm(*operands, h.indices, grad, nodes, backend),
                                 device, repeats=repeats)
+    if half_reductions and backend == "numba" and k % PACKED_HALF_SLOTS == 0:
+        before = half_reductions_allowed()
+        pyg_maxk.allow_half_reductions(True)
+        try:
+            gv = lib.sspmm(*operands, h.indices, grad, nodes, backend)
+            row["sspmm_half_reductions_rel_error"] = rel_error(gv, ref_gv)
+            assert row["sspmm_half_reductions_rel_error"] < HALF_REDUCTION_TOL[x.dtype], row
+            row["maxk_sspmm_half_reductions"] = timed(
+                lambda: lib.sspmm(*operands, h.indices, grad, nodes, backend), device,
+                repeats=repeats)
+        finally:
+            pyg_maxk.allow_half_reductions(before)
     from pyg_maxk.kernels import geometry
     if x.dtype == torch.float32 and (backend == "cpu" or geometry.takes_linear(dim, k)):
         row.update(time_linear(h, dim, device, repeats, backend))
