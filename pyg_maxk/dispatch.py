@@ -93,7 +93,7 @@ def allow_half_reductions(enabled: bool = True) -> None:
     bfloat16/float16 CBSR values (``k`` a multiple of 8, sm_90 and later)
     with packed half-precision atomic additions: 8 slots per 16-byte
     reduction instead of 4 float32 ones (H200, Reddit-shaped graph, k=32:
-    2.97 ms instead of 4.58 ms; ``benchmarks/half_reductions.py``). Each
+    2.97 ms instead of 4.61 ms; ``benchmarks/kernels.py --half-reductions``). Each
     addition rounds the running sum to the half type, so an entry summed
     over ``d`` edges is rounded ``d`` times instead of once: its error is
     at most about ``(d + 1) * u * sum|terms|`` (``u`` = 2**-8 for bfloat16,
