@@ -223,8 +223,9 @@ def densify_kernel(dim: int, k: int, rows_per_block: int, bits16: bool = False):
     (:func:`~._half.stores_pairs`: ``dense`` is then viewed as
     ``int32 [N, dim / 2]``): half the shared-memory zeroing and reading, and
     twice the bytes per global store (H200, ``[232965, 256]`` bf16 at k=32:
-    70 against 77 us with a 16-bit shared row, 50 calls back to back). Two lanes may set the two
-    halves of one word, so an entry is OR-ed into its zeroed word atomically.
+    70 against 77 us with a 16-bit shared row, 50 calls back to back). Two
+    lanes may set the two halves of one word, so an entry is OR-ed into its
+    zeroed word atomically.
     """
     if not densify_fits(dim, rows_per_block):
         raise ValueError(f"dim={dim} is too wide for the densify kernel's shared memory")
