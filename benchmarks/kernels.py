@@ -63,6 +63,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.half_reductions and DTYPES[args.dtype] == torch.float32:
+        raise SystemExit("--half-reductions needs a half --dtype (bf16 or fp16)")
     if args.tiny:
         # The CPU kernels, and the CUDA kernels in Numba's simulator (slow:
         # a tiny graph, no warm-up), against the torch backend.
@@ -91,8 +93,6 @@ def main(argv=None):
     graph = CSRGraph.from_adj(ei, (nodes, nodes), normalization="mean")
     del ei
     dtype = DTYPES[args.dtype]
-    if args.half_reductions and dtype == torch.float32:
-        raise SystemExit("--half-reductions needs a half --dtype (bf16 or fp16)")
     a_csr = graph.torch_csr(torch.float32)
     a_csr32 = torch.sparse_csr_tensor(a_csr.crow_indices().int(), a_csr.col_indices().int(),
                                       a_csr.values(), a_csr.shape)
