@@ -151,6 +151,21 @@ def pair_word():
     return word
 
 
+@functools.lru_cache(maxsize=None)
+def or_into_pair_word():
+    """``put(words, row, column, bits)``: the 16-bit pattern ``bits`` of half
+    element ``column`` into its half of the zeroed 32-bit word ``words[row,
+    column // 2]`` (the low half for an even column, as :func:`pair_word`),
+    OR-ed atomically: another lane may set the other half at the same time."""
+    one = uint32(1)
+
+    @cuda.jit(device=True, inline=True)
+    def put(words, row, column, bits):
+        word = (uint32(bits) & _LOW16) << ((column & one) * _SIXTEEN)
+        cuda.atomic.or_(words, (row, column >> one), word)
+    return put
+
+
 # ------------------------------------------------------------- intrinsics
 @functools.lru_cache(maxsize=None)
 def _bitcast(to_float: bool):

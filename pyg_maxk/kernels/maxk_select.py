@@ -43,7 +43,7 @@ from ._numba import cuda_module, kernel_jit
 cuda = cuda_module()
 from numba import float32, int16, int32, uint32  # noqa: E402 (after the numpy shim)
 
-from ._half import float_bits, stores_pairs  # noqa: E402
+from ._half import float_bits, or_into_pair_word, stores_pairs  # noqa: E402
 from ._warp import (WARP, cbsr_row_loader, thread_span, warp_exclusive_sum, warp_rank,  # noqa: E402
                     warp_sum, warp_sync)
 
@@ -54,9 +54,6 @@ _SIGN = uint32(0x80000000)
 _ABS = uint32(0x7FFFFFFF)
 _INF = uint32(0x7F800000)
 _ALL = uint32(0xFFFFFFFF)
-_LOW16 = uint32(0xFFFF)
-_SIXTEEN = uint32(16)
-_ONE = uint32(1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -191,19 +188,6 @@ def _entry_setter():
 
 
 @functools.lru_cache(maxsize=None)
-def _word_setter():
-    """``put(row_buf, warp, column, bits)``: the 16-bit pattern ``bits`` into
-    its half of the zeroed 32-bit word ``column // 2`` of a shared row (low
-    half for an even column), OR-ed atomically: the other half may be set by
-    another lane in the same instruction."""
-    @cuda.jit(device=True, inline=True)
-    def put(row_buf, warp, column, bits):
-        word = (uint32(bits) & _LOW16) << ((column & _ONE) * _SIXTEEN)
-        cuda.atomic.or_(row_buf, (warp, column >> _ONE), word)
-    return put
-
-
-@functools.lru_cache(maxsize=None)
 def densify_kernel(dim: int, k: int, rows_per_block: int, bits16: bool = False):
     """``dense[r, indices[r, j]] = values[r, j]``, every other entry 0: the
     dense form of a CBSR, and so also the MaxK backward (the gradient of the
@@ -242,7 +226,7 @@ def densify_kernel(dim: int, k: int, rows_per_block: int, bits16: bool = False):
     w_row = uint32(width)
     zero = element(0)
     loaded, stored = (int16 if bits16 else float32), (int32 if pairs else element)
-    put = _word_setter() if pairs else _entry_setter()
+    put = or_into_pair_word() if pairs else _entry_setter()
 
     @kernel_jit()
     def densify(values, indices, dense, num_rows):
