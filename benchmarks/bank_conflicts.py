@@ -2,6 +2,7 @@
 
     python benchmarks/bank_conflicts.py          # k 2-64, dim 256, 4,000 rows
     python benchmarks/bank_conflicts.py --tiny   # a quick CI run
+    python benchmarks/bank_conflicts.py --time   # and the kernels timed per order (GPU)
 
 Each shared-memory instruction of the SpGEMM's accumulation has its 32 lanes
 add one slot each of ``32 / lanes`` neighbours' CBSR rows (lanes and slots as
@@ -28,20 +29,37 @@ banks up across groups, and ~2.85 wavefronts is what independent groups of
 8 distinct banks each give. On an H200 the SpGEMM at k=32 keeps the
 L1/shared-memory pipeline 97% busy (Nsight Compute), so these wavefronts set
 its time (``docs/design.md``).
+
+With ``--time`` (a GPU) the package's SpGEMM and SSpMM run on the
+Reddit-shaped graph at ``--time-k`` (32) over the same MaxK'd random features
+laid out in each order (the same columns and values, only their slots
+differ), and over ``conflict-free`` rows: slot ``j`` holds a column of bank
+``j`` (a random one of the 8), which makes every accumulation instruction
+touch 32 distinct banks. That last time is what this design of the SpGEMM
+could reach with no bank conflicts at all, whatever the layout or kernel
+that got it there.
 """
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from pathlib import Path
+from typing import Dict
+
+if "--tiny" in sys.argv:  # before Numba is imported: --time runs in the simulator
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 import numpy as np
 import torch
 
 from pyg_maxk.kernels.spgemm import ROW_PAD, neighbour_lanes, spgemm_vector_width
 
-from common import RESULTS, environment, pyplot, write_json
+from common import RESULTS, environment, pyplot, rel_error, time_interleaved, write_json
 
 ORDERS = ("column", "bank-major", "bank-aligned", "random")
+#: The timed layouts: the orders above, and rows of one column per bank.
+LAYOUTS = ORDERS + ("conflict-free",)
 BANKS = 32
 
 
@@ -88,6 +106,123 @@ def wavefronts(rows: np.ndarray, k: int, dim: int) -> float:
     return total / count
 
 
+def slot_permutation(columns: torch.Tensor, order: str) -> torch.Tensor:
+    """``[N, k]``: for each row of ``columns`` (``[N, k]`` int64) and slot,
+    the current slot of the entry :func:`ordered` puts there (vectorised)."""
+    n, k = columns.shape
+    if order == "column":
+        return columns.argsort(dim=1)
+    if order == "random":
+        return torch.rand(n, k, device=columns.device).argsort(dim=1)
+    bank_major = (columns % BANKS * columns.max().add(1) + columns).argsort(dim=1)
+    if order == "bank-major":
+        return bank_major
+    # bank-aligned: the first column of bank b goes to slot b (b < k), the
+    # others fill the free slots in bank-major order.
+    banks = (columns.gather(1, bank_major) % BANKS)
+    first = torch.ones_like(banks, dtype=torch.bool)
+    first[:, 1:] = banks[:, 1:] != banks[:, :-1]
+    aligned = first & (banks < k)
+    slot = torch.arange(k, device=columns.device).expand(n, k)
+    taken = torch.zeros_like(banks).scatter_add_(1, torch.where(aligned, banks, 0),
+                                                 aligned.long()) > 0
+    free = (taken.long() * k + slot).argsort(dim=1)  # free slots first, ascending
+    spare_rank = ((~aligned).long().cumsum(dim=1) - 1).clamp(min=0)
+    dest = torch.where(aligned, banks, free.gather(1, spare_rank))
+    return torch.empty_like(bank_major).scatter_(1, dest, bank_major)
+
+
+def conflict_free_columns(n: int, k: int, dim: int, device) -> torch.Tensor:
+    """``[N, k]`` distinct columns per row, slot ``j`` one of bank ``j``
+    (needs ``k <= 32`` and ``dim`` a multiple of 32)."""
+    if k > BANKS or dim % BANKS:
+        raise ValueError(f"conflict-free rows need k <= {BANKS} and dim a multiple of {BANKS}")
+    high = torch.randint(0, dim // BANKS, (n, k), device=device)
+    return torch.arange(k, device=device) + BANKS * high
+
+
+def time_layouts(k: int, dim: int, tiny: bool, repeats: int) -> Dict[str, object]:
+    """The SpGEMM (forward) and SSpMM (backward) of ``aggregate`` on the
+    mean-normalised Reddit-shaped graph (``tiny``: 100 nodes, simulator)
+    over the layouts of MaxK'd random features, in bf16 and float32, timed
+    round-robin; each reordered layout's results checked against column order's."""
+    import pyg_maxk
+    from pyg_maxk import CBSR, CSRGraph
+    from pyg_maxk.app.datasets import PRESETS, power_law_edge_index
+
+    if tiny:
+        device, nodes, edges, max_deg = torch.device("cpu"), 100, 500, 50
+        dtypes = (torch.float32,)
+    else:
+        device = torch.device("cuda")
+        reddit = PRESETS["reddit-like"]
+        nodes, edges, max_deg = reddit.num_nodes, reddit.num_edges, reddit.max_degree
+        dtypes = (torch.bfloat16, torch.float32)
+    edge_index = power_law_edge_index(nodes, edges, max_degree=max_deg, seed=0, device=device)
+    graph = CSRGraph.from_adj(edge_index, (nodes, nodes), normalization="mean")
+    del edge_index
+    torch.manual_seed(0)
+    timed = {"k": k, "graph": {"nodes": nodes, "edges": graph.num_edges}, "dtypes": {}}
+    for dtype in dtypes:
+        h = pyg_maxk.maxk(torch.randn(nodes, dim, device=device, dtype=dtype), k)
+        columns, values = h.indices.long(), h.values.detach()
+        layouts = {}
+        for name in LAYOUTS:
+            if name == "conflict-free":
+                cols = conflict_free_columns(nodes, k, dim, device)
+                vals = values
+            else:
+                perm = slot_permutation(columns, name)
+                cols, vals = columns.gather(1, perm), values.gather(1, perm)
+            layouts[name] = (cols, vals)
+        fns, checks, sim = {}, {}, {}
+        grad_out = torch.randn(nodes, dim, device=device, dtype=dtype)
+        reference = None
+        for name, (cols, vals) in layouts.items():
+            leaf = vals.clone().requires_grad_()
+            cbsr = CBSR(leaf, cols.to(h.indices.dtype), dim)
+            out = pyg_maxk.aggregate(graph, cbsr)
+            (grad,) = torch.autograd.grad(out, leaf, grad_out, retain_graph=True)
+            if name != "conflict-free":  # the same matrix as bank-major's
+                dense_grad = torch.zeros(nodes, dim, device=device, dtype=torch.float64)
+                dense_grad.scatter_(1, cols, grad.double())
+                if reference is None:
+                    reference = (out.detach().double(), dense_grad)
+                checks[name] = {"forward": rel_error(out.detach(), reference[0]),
+                                "backward": rel_error(dense_grad, reference[1])}
+            sim[name] = wavefronts(cols[:4000].cpu().numpy(), k, dim)
+
+            def forward(cbsr=cbsr):
+                with torch.no_grad():
+                    return pyg_maxk.aggregate(graph, cbsr)
+
+            def backward(out=out, leaf=leaf):
+                return torch.autograd.grad(out, leaf, grad_out, retain_graph=True)
+
+            fns[f"{name}/forward"], fns[f"{name}/backward"] = forward, backward
+        tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+        worst = max(max(c.values()) for c in checks.values())
+        if not worst < tolerance:
+            raise AssertionError(f"{dtype}: a reordered layout's result differs by {worst:.3g}")
+        ms = time_interleaved(fns, device, rounds=repeats, per_round=5, warmup=3)
+        timed["dtypes"][str(dtype).replace("torch.", "")] = {
+            name: {"wavefronts_per_instruction": sim[name],
+                   "forward_ms": ms[f"{name}/forward"]["median_ms"],
+                   "backward_ms": ms[f"{name}/backward"]["median_ms"],
+                   **({"rel_error": checks[name]} if name in checks else {})}
+            for name in LAYOUTS}
+    return timed
+
+
+def print_timed(timed: Dict[str, object]) -> None:
+    print(f"k={timed['k']}, {timed['graph']['edges']:,} edges: layout, simulated wavefronts "
+          "per instruction, SpGEMM ms, SSpMM ms")
+    for dtype, rows in timed["dtypes"].items():
+        for name, r in rows.items():
+            print(f"  {dtype:8s} {name:14s} {r['wavefronts_per_instruction']:5.2f} "
+                  f"{r['forward_ms']:8.3f} {r['backward_ms']:8.3f}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -96,6 +231,10 @@ def main(argv=None):
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--rows", type=int, default=4000)
     p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--time", action="store_true",
+                   help="also time the kernels per layout (GPU; --tiny: the simulator)")
+    p.add_argument("--time-k", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=10, help="rounds of the timing")
     args = p.parse_args(argv)
     ks = [8, 32] if args.tiny else [int(k) for k in args.ks.split(",")]
     n = 200 if args.tiny else args.rows
@@ -111,19 +250,27 @@ def main(argv=None):
         print(f"k {k:3d}: " + ", ".join(f"{o} {row[o]['per_instruction']:.2f}" for o in ORDERS)
               + " wavefronts per instruction", flush=True)
     name = "bank_conflicts-tiny" if args.tiny else "bank_conflicts"
-    payload = {"benchmark": "bank_conflicts",
-               "environment": environment(torch.device("cpu")),
+    timed = None
+    if args.time:
+        timed = time_layouts(args.time_k, args.dim, args.tiny, 1 if args.tiny else args.repeats)
+        print_timed(timed)
+    device = torch.device("cuda" if args.time and not args.tiny else "cpu")
+    payload = {"benchmark": "bank_conflicts", "environment": environment(device),
                "dim": args.dim, "rows": n, "ks": results}
+    if timed:
+        payload["timed"] = timed
     path = write_json(name, payload, Path(args.out))
-    plot(results, path.with_suffix(".png"), args.dim)
+    plot(results, path.with_suffix(".png"), args.dim, timed)
     print(f"wrote {path}")
 
 
-def plot(results, path, dim):
+def plot(results, path, dim, timed=None):
     plt = pyplot()
     if plt is None:
         return
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, axes = plt.subplots(1, 2 if timed else 1, figsize=(13 if timed else 7, 4),
+                             squeeze=False)
+    ax = axes[0, 0]
     for order in ORDERS:
         ax.plot([r["k"] for r in results], [r[order]["per_instruction"] for r in results],
                 marker="o", label=order)
@@ -133,6 +280,20 @@ def plot(results, path, dim):
     ax.set_ylabel("wavefronts per shared-memory instruction")
     ax.set_title(f"SpGEMM accumulation bank conflicts, random rows, dim {dim}")
     ax.legend(fontsize=8)
+    if timed:
+        ax = axes[0, 1]
+        for dtype, rows in timed["dtypes"].items():
+            for kernel, marker in (("forward", "o"), ("backward", "s")):
+                xs = [r["wavefronts_per_instruction"] for r in rows.values()]
+                ax.scatter(xs, [r[f"{kernel}_ms"] for r in rows.values()], marker=marker,
+                           label=f"{dtype} {'SpGEMM' if kernel == 'forward' else 'SSpMM'}")
+            for name, r in rows.items():
+                ax.annotate(name, (r["wavefronts_per_instruction"], r["forward_ms"]),
+                            fontsize=6)
+        ax.set_xlabel("simulated wavefronts per instruction (k=%d)" % timed["k"])
+        ax.set_ylabel("ms")
+        ax.set_title("kernels timed per layout, Reddit-shaped graph")
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
