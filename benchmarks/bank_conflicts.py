@@ -37,7 +37,9 @@ differ), and over ``conflict-free`` rows: slot ``j`` holds a column of bank
 ``j`` (a random one of the 8), which makes every accumulation instruction
 touch 32 distinct banks. That last time is what this design of the SpGEMM
 could reach with no bank conflicts at all, whatever the layout or kernel
-that got it there.
+that got it there. In bf16 the SSpMM is also timed with packed half
+reductions (:func:`pyg_maxk.allow_half_reductions`), whose groups read one
+staged row together: rows whose slots follow their banks make them collide.
 """
 from __future__ import annotations
 
@@ -145,14 +147,16 @@ def time_layouts(k: int, dim: int, tiny: bool, repeats: int) -> Dict[str, object
     """The SpGEMM (forward) and SSpMM (backward) of ``aggregate`` on the
     mean-normalised Reddit-shaped graph (``tiny``: 100 nodes, simulator)
     over the layouts of MaxK'd random features, in bf16 and float32, timed
-    round-robin; each reordered layout's results checked against column order's."""
+    round-robin; each reordered layout's results checked against column order's.
+    In a half type at ``k`` a multiple of 8 the SSpMM is also timed with
+    :func:`pyg_maxk.allow_half_reductions`."""
     import pyg_maxk
     from pyg_maxk import CBSR, CSRGraph
     from pyg_maxk.app.datasets import PRESETS, power_law_edge_index
 
     if tiny:
         device, nodes, edges, max_deg = torch.device("cpu"), 100, 500, 50
-        dtypes = (torch.float32,)
+        dtypes = (torch.float32, torch.bfloat16)
     else:
         device = torch.device("cuda")
         reddit = PRESETS["reddit-like"]
@@ -177,6 +181,7 @@ def time_layouts(k: int, dim: int, tiny: bool, repeats: int) -> Dict[str, object
             layouts[name] = (cols, vals)
         fns, checks, sim = {}, {}, {}
         grad_out = torch.randn(nodes, dim, device=device, dtype=dtype)
+        packed = dtype != torch.float32 and k % 8 == 0  # allow_half_reductions' SSpMM
         reference = None
         for name, (cols, vals) in layouts.items():
             leaf = vals.clone().requires_grad_()
@@ -200,6 +205,15 @@ def time_layouts(k: int, dim: int, tiny: bool, repeats: int) -> Dict[str, object
                 return torch.autograd.grad(out, leaf, grad_out, retain_graph=True)
 
             fns[f"{name}/forward"], fns[f"{name}/backward"] = forward, backward
+            if packed:
+                def backward_half_reductions(out=out, leaf=leaf):
+                    pyg_maxk.allow_half_reductions(True)
+                    try:
+                        return torch.autograd.grad(out, leaf, grad_out, retain_graph=True)
+                    finally:
+                        pyg_maxk.allow_half_reductions(False)
+
+                fns[f"{name}/backward_half_reductions"] = backward_half_reductions
         tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
         worst = max(max(c.values()) for c in checks.values())
         if not worst < tolerance:
@@ -209,6 +223,8 @@ def time_layouts(k: int, dim: int, tiny: bool, repeats: int) -> Dict[str, object
             name: {"wavefronts_per_instruction": sim[name],
                    "forward_ms": ms[f"{name}/forward"]["median_ms"],
                    "backward_ms": ms[f"{name}/backward"]["median_ms"],
+                   **({"backward_half_reductions_ms":
+                       ms[f"{name}/backward_half_reductions"]["median_ms"]} if packed else {}),
                    **({"rel_error": checks[name]} if name in checks else {})}
             for name in LAYOUTS}
     return timed
@@ -216,11 +232,13 @@ def time_layouts(k: int, dim: int, tiny: bool, repeats: int) -> Dict[str, object
 
 def print_timed(timed: Dict[str, object]) -> None:
     print(f"k={timed['k']}, {timed['graph']['edges']:,} edges: layout, simulated wavefronts "
-          "per instruction, SpGEMM ms, SSpMM ms")
+          "per instruction, SpGEMM ms, SSpMM ms (with half reductions)")
     for dtype, rows in timed["dtypes"].items():
         for name, r in rows.items():
+            half = r.get("backward_half_reductions_ms")
             print(f"  {dtype:8s} {name:14s} {r['wavefronts_per_instruction']:5.2f} "
-                  f"{r['forward_ms']:8.3f} {r['backward_ms']:8.3f}")
+                  f"{r['forward_ms']:8.3f} {r['backward_ms']:8.3f}"
+                  + (f" ({half:.3f})" if half else ""))
 
 
 def main(argv=None):
@@ -283,10 +301,14 @@ def plot(results, path, dim, timed=None):
     if timed:
         ax = axes[0, 1]
         for dtype, rows in timed["dtypes"].items():
-            for kernel, marker in (("forward", "o"), ("backward", "s")):
-                xs = [r["wavefronts_per_instruction"] for r in rows.values()]
-                ax.scatter(xs, [r[f"{kernel}_ms"] for r in rows.values()], marker=marker,
-                           label=f"{dtype} {'SpGEMM' if kernel == 'forward' else 'SSpMM'}")
+            for kernel, marker, label in (("forward", "o", "SpGEMM"), ("backward", "s", "SSpMM"),
+                                          ("backward_half_reductions", "^",
+                                           "SSpMM, half reductions")):
+                have = [r for r in rows.values() if f"{kernel}_ms" in r]
+                if have:
+                    ax.scatter([r["wavefronts_per_instruction"] for r in have],
+                               [r[f"{kernel}_ms"] for r in have], marker=marker,
+                               label=f"{dtype} {label}")
             for name, r in rows.items():
                 ax.annotate(name, (r["wavefronts_per_instruction"], r["forward_ms"]),
                             fontsize=6)

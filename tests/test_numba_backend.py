@@ -346,6 +346,15 @@ def test_maxk_select_writes_bank_major_order():
     assert h.values.cpu().tolist() == [[64.0, 65, 66, 67, 68, 69, 60, 61, 62, 63]] * 3
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [40, 300])
+def test_maxk_select_matches_topk_at_k32(dim, dtype):
+    # k = 32, the benchmarks' k: as many kept entries as lanes.
+    x = torch.randn(13, dim).to(DEVICE, dtype)
+    poison_allocator()
+    assert_same_selection(kernel_maxk(x, 32), x, 32, order="bank")
+
+
 @pytest.mark.parametrize("num_rows,dim,k,dtype", [
     (13, 40, 1, torch.float32), (13, 40, 39, torch.float32), (9, 300, 12, torch.float32),
     (7, 80, 70, torch.float32), (5, 300, 200, torch.float32), (0, 16, 3, torch.float32),
