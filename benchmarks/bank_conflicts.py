@@ -143,6 +143,19 @@ def conflict_free_columns(n: int, k: int, dim: int, device) -> torch.Tensor:
     return torch.arange(k, device=device) + BANKS * high
 
 
+def laid_out(h) -> Dict[str, tuple]:
+    """``{layout: (columns, values)}``: the CBSR ``h``'s rows in each order of
+    :data:`ORDERS`, and its values on ``conflict-free`` columns."""
+    columns, values = h.indices.long(), h.values.detach()
+    layouts = {}
+    for name in ORDERS:
+        perm = slot_permutation(columns, name)
+        layouts[name] = (columns.gather(1, perm), values.gather(1, perm))
+    n, k = columns.shape
+    layouts["conflict-free"] = (conflict_free_columns(n, k, h.dim, columns.device), values)
+    return layouts
+
+
 def time_layouts(k: int, dim: int, tiny: bool, repeats: int) -> Dict[str, object]:
     """The SpGEMM (forward) and SSpMM (backward) of ``aggregate`` on the
     mean-normalised Reddit-shaped graph (``tiny``: 100 nodes, simulator)
@@ -169,16 +182,7 @@ def time_layouts(k: int, dim: int, tiny: bool, repeats: int) -> Dict[str, object
     timed = {"k": k, "graph": {"nodes": nodes, "edges": graph.num_edges}, "dtypes": {}}
     for dtype in dtypes:
         h = pyg_maxk.maxk(torch.randn(nodes, dim, device=device, dtype=dtype), k)
-        columns, values = h.indices.long(), h.values.detach()
-        layouts = {}
-        for name in LAYOUTS:
-            if name == "conflict-free":
-                cols = conflict_free_columns(nodes, k, dim, device)
-                vals = values
-            else:
-                perm = slot_permutation(columns, name)
-                cols, vals = columns.gather(1, perm), values.gather(1, perm)
-            layouts[name] = (cols, vals)
+        layouts = laid_out(h)
         fns, checks, sim = {}, {}, {}
         grad_out = torch.randn(nodes, dim, device=device, dtype=dtype)
         packed = dtype != torch.float32 and k % 8 == 0  # allow_half_reductions' SSpMM
@@ -188,7 +192,7 @@ def time_layouts(k: int, dim: int, tiny: bool, repeats: int) -> Dict[str, object
             cbsr = CBSR(leaf, cols.to(h.indices.dtype), dim)
             out = pyg_maxk.aggregate(graph, cbsr)
             (grad,) = torch.autograd.grad(out, leaf, grad_out, retain_graph=True)
-            if name != "conflict-free":  # the same matrix as bank-major's
+            if name != "conflict-free":  # the same matrix, its slots in another order
                 dense_grad = torch.zeros(nodes, dim, device=device, dtype=torch.float64)
                 dense_grad.scatter_(1, cols, grad.double())
                 if reference is None:
