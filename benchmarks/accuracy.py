@@ -17,12 +17,10 @@ import statistics
 from pathlib import Path
 
 import torch
-
+from common import RESULTS, environment, pyplot, write_json
 
 from pyg_maxk.app.datasets import DatasetUnavailable, load_dataset
 from pyg_maxk.app.training import TrainConfig, train_full_batch
-
-from common import RESULTS, environment, pyplot, write_json
 
 
 def parse_args(argv=None):
@@ -73,7 +71,8 @@ def main(argv=None):
                 runs[label(k, cast)] = {
                     "mean": statistics.mean(accs),
                     "std": statistics.stdev(accs) if len(accs) > 1 else 0.0, "runs": accs}
-                print(f"{name:9s} {model:5s} {'ReLU' if k is None else f'MaxK {label(k, cast)}':10s} "
+                kind = "ReLU" if k is None else f"MaxK {label(k, cast)}"
+                print(f"{name:9s} {model:5s} {kind:10s} "
                       f"{runs[list(runs)[-1]]['mean']:6.2f} +- {runs[list(runs)[-1]]['std']:.2f}",
                       flush=True)
             rows.append({"dataset": name, "model": model, "results": runs})

@@ -54,10 +54,9 @@ if "--tiny" in sys.argv:  # before Numba is imported: --time runs in the simulat
 
 import numpy as np
 import torch
+from common import RESULTS, environment, pyplot, rel_error, time_interleaved, write_json
 
 from pyg_maxk.kernels.spgemm import ROW_PAD, neighbour_lanes, spgemm_vector_width
-
-from common import RESULTS, environment, pyplot, rel_error, time_interleaved, write_json
 
 ORDERS = ("column", "bank-major", "bank-aligned", "random")
 #: The timed layouts: the orders above, and rows of one column per bank.

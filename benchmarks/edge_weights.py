@@ -33,16 +33,13 @@ from typing import Dict
 
 import torch
 import torch.nn.functional as F
-
+import train
+from common import RESULTS, check_against_torch_backend, environment, pyplot, time_ms, write_json
 
 import pyg_maxk
 from pyg_maxk import CSRGraph, clear_graph_cache
 from pyg_maxk.nn import MaxKGCN
 from pyg_maxk.ops import _library as lib
-
-import train
-from common import (RESULTS, check_against_torch_backend, environment, pyplot,
-                    time_ms, write_json)
 
 HIDDEN = 256
 #: Edges of the float64 check of the SDDMM on a large graph.
@@ -166,7 +163,6 @@ def training_times(data, layers, k, device, repeats) -> Dict[str, object]:
     step, _ = epoch(maxk, lambda w: (ei, w))
     result["maxk"] = {**time_ms(step, device, warmup=2, repeats=repeats), "check": check}
     train._report("gcn", f"MaxK k={k}, learned edge weights", result["maxk"])
-    del maxk, step
     clear_graph_cache()
     forms = {"edge_index": lambda w: (ei, w), "csr": lambda w: (_csr_adj(crow, col, w, n),)}
     for form, adj_of in forms.items():
@@ -249,9 +245,9 @@ def plot(payload, path) -> None:
     ax0.set_title(f"kernels, dim {payload['kernels']['dim']}")
     ax0.legend()
     scale, t = next(iter(payload["training"].items()))
-    for scale, run in payload["training"].items():  # the largest graph stock trains on
+    for size, run in payload["training"].items():  # the largest graph stock trains on
         if any("median_ms" in r for r in run["stock"].values()):
-            t = run
+            scale, t = size, run
             break
     labels, times = ["MaxK"], [t["maxk"]["median_ms"]]
     for form, r in t["stock"].items():

@@ -51,7 +51,6 @@ def child(args) -> dict:
 
     import torch
     import torch.nn.functional as F
-
     import train
     from common import time_ms
 
@@ -125,9 +124,8 @@ def main(argv=None):
         print(f"{variant:16s} first step cold {cold['first_step_s']:8.2f} s, warm "
               f"{warm['first_step_s']:8.2f} s, then {warm['median_ms']:8.2f} ms per epoch",
               flush=True)
-    from common import environment, pyplot, write_json
-
     import torch
+    from common import environment, pyplot, write_json
     device = torch.device("cpu" if args.tiny else "cuda")
     payload = {"benchmark": "first_step", "environment": environment(device),
                "graph": "cora" if args.tiny else args.graph, "model": args.model, "k": args.k,

@@ -28,22 +28,18 @@ if "--tiny" in sys.argv:  # before Numba is imported
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 import torch
-
+from common import ceiling_setup, environment, plot_ms_against_k, save, time_ms
+from numba import float32, uint32
 
 import pyg_maxk
 from pyg_maxk.graph import max_edges_per_item
 from pyg_maxk.kernels import cuda_module, geometry
-from pyg_maxk.kernels._warp import WARP
 from pyg_maxk.kernels._vector import vector_load
-from pyg_maxk.kernels.spgemm import (neighbour_lanes, reads_pairs, spgemm_unroll,
-                                     spgemm_vector_width)
+from pyg_maxk.kernels._warp import WARP
+from pyg_maxk.kernels.spgemm import neighbour_lanes, reads_pairs, spgemm_unroll, spgemm_vector_width
 from pyg_maxk.ops import numba_ops
 
-from common import (ceiling_setup, environment, plot_ms_against_k, save,
-                    time_ms)
-
 cuda = cuda_module()
-from numba import float32, uint32
 
 
 @functools.lru_cache(maxsize=None)

@@ -37,17 +37,16 @@ if "--tiny" in sys.argv:  # before Numba is imported
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 import torch
+from common import ceiling_setup, environment, pyplot, rel_error, save, time_ms
 
 import pyg_maxk
 from pyg_maxk.graph import unpack
 from pyg_maxk.kernels import cuda_module, geometry
 from pyg_maxk.kernels._half import widen
 from pyg_maxk.kernels._numba import simulator_enabled
-from pyg_maxk.kernels._vector import (PACKED_HALF_SLOTS as SLOTS, packed_half_atomic_add,
-                                      vector_atomic_add)
+from pyg_maxk.kernels._vector import PACKED_HALF_SLOTS as SLOTS
+from pyg_maxk.kernels._vector import packed_half_atomic_add, vector_atomic_add
 from pyg_maxk.ops import numba_ops
-
-from common import ceiling_setup, environment, pyplot, rel_error, save, time_ms
 
 cuda = cuda_module()
 from numba import uint32  # noqa: E402 (after the numpy shim)
@@ -188,9 +187,11 @@ def main(argv=None):
                     lambda: run_probe(run, blocks, threads, device, (row, col, coef), h.indices,
                                       grad_out, kind, packed, gather=False),
                     device, warmup=1 if args.tiny else 3, repeats=args.repeats)["median_ms"]
-            row_out["packed_over_float32"] = row_out["probe_packed_ms"] / row_out["probe_float32_ms"]
+            row_out["packed_over_float32"] = (row_out["probe_packed_ms"]
+                                              / row_out["probe_float32_ms"])
             rows.append(row_out)
-            print(f"k {k} {kind}: stock backward (float32) {stock_ms:.3f} ms | package SSpMM {row_out['package_sspmm_ms']:.3f} ms, "
+            print(f"k {k} {kind}: stock backward (float32) {stock_ms:.3f} ms | "
+                  f"package SSpMM {row_out['package_sspmm_ms']:.3f} ms, "
                   f"error {row_out['package_sspmm_rel_error']:.2e} (hubs "
                   f"{row_out['package_sspmm_hub_rel_error']:.2e}) | package packed "
                   f"{row_out['package_packed_ms']:.3f} ms, error "

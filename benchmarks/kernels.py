@@ -29,13 +29,11 @@ import argparse
 import os
 
 import torch
-
+from common import RESULTS, environment, pyplot, rel_error, save, time_ms
 
 import pyg_maxk
 from pyg_maxk import CSRGraph
 from pyg_maxk.app.datasets import PRESETS, power_law_edge_index
-
-from common import RESULTS, environment, pyplot, rel_error, save, time_ms
 
 DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: Norm-relative agreement with the torch backend: float32 sums in a
@@ -44,7 +42,8 @@ CHECK_TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="small CPU smoke run")
     p.add_argument("--ks", default="2,4,8,16,32,64,128")
     p.add_argument("--dims", default="64,128,256,512")
@@ -91,7 +90,7 @@ def main(argv=None):
     t_build = time_ms(lambda: CSRGraph.from_adj(ei, (nodes, nodes), normalization="mean",
                                                 cache=False), device, warmup=1, repeats=3)
     graph = CSRGraph.from_adj(ei, (nodes, nodes), normalization="mean")
-    del ei
+    ei = None  # free it for the features (rebound, not deleted: the lambdas above name it)
     dtype = DTYPES[args.dtype]
     a_csr = graph.torch_csr(torch.float32)
     a_csr32 = torch.sparse_csr_tensor(a_csr.crow_indices().int(), a_csr.col_indices().int(),
@@ -146,7 +145,7 @@ def main(argv=None):
                       + (f" | linear {row['maxk_linear']['median_ms']:.3f} ms vs dense "
                          f"{row['dense_linear']['median_ms']:.3f} ms" if "maxk_linear" in row
                          else ""), flush=True)
-        del x, grad, x32, grad32
+        x = grad = x32 = grad32 = None  # free this width's features before the next
 
     name = "kernels-tiny" if args.tiny else "kernels"
     if dtype != torch.float32:

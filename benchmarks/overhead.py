@@ -17,13 +17,11 @@ import time
 from pathlib import Path
 
 import torch
-
+from common import RESULTS, environment, rel_error, write_json
 
 import pyg_maxk
 from pyg_maxk import CSRGraph
 from pyg_maxk.app.datasets import PRESETS, power_law_edge_index
-
-from common import RESULTS, environment, rel_error, write_json
 
 
 def host_us(fn, device, n=200) -> float:
@@ -81,7 +79,8 @@ def main(argv=None):
     if not args.tiny:
         results.update(profile_reddit(dev))
     name = "overhead-tiny" if args.tiny else "overhead"
-    print(f"wrote {write_json(name, {'benchmark': 'overhead', 'environment': environment(dev), **results}, Path(args.out))}")
+    payload = {"benchmark": "overhead", "environment": environment(dev), **results}
+    print(f"wrote {write_json(name, payload, Path(args.out))}")
 
 
 def profile_reddit(dev) -> dict:

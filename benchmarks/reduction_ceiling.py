@@ -33,7 +33,8 @@ if "--tiny" in sys.argv:  # before Numba is imported
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 import torch
-
+from common import ceiling_setup, environment, plot_ms_against_k, save, time_ms
+from numba import float32, uint32
 
 import pyg_maxk
 from pyg_maxk import CSRGraph
@@ -43,11 +44,7 @@ from pyg_maxk.kernels._vector import vector_atomic_add
 from pyg_maxk.kernels.spgemm import sspmm_vector_width
 from pyg_maxk.ops import numba_ops
 
-from common import (ceiling_setup, environment, plot_ms_against_k, save,
-                    time_ms)
-
 cuda = cuda_module()
-from numba import float32, uint32
 
 
 @functools.lru_cache(maxsize=None)

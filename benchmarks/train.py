@@ -71,18 +71,25 @@ from typing import Dict, Optional
 
 import torch
 import torch.nn.functional as F
+from common import (
+    RESULTS,
+    check_against_torch_backend,
+    environment,
+    paired_speedup,
+    pyplot,
+    rel_error,
+    time_interleaved,
+    time_ms,
+    write_json,
+)
 from torch_geometric.utils import coalesce
-
 
 import pyg_maxk
 from pyg_maxk import clear_graph_cache
-from pyg_maxk.dispatch import resolve_backend
 from pyg_maxk.app.datasets import PRESETS, power_law_edge_index
-from pyg_maxk.nn import MaxKGCN, MaxKGIN, MaxKGraphSAGE
 from pyg_maxk.app.training import flush_denormals
-
-from common import (RESULTS, check_against_torch_backend, environment, paired_speedup,
-                    pyplot, rel_error, time_interleaved, time_ms, write_json)
+from pyg_maxk.dispatch import resolve_backend
+from pyg_maxk.nn import MaxKGCN, MaxKGIN, MaxKGraphSAGE
 
 MODELS = {"sage": MaxKGraphSAGE, "gcn": MaxKGCN, "gin": MaxKGIN}
 #: Each model's conv arguments (both sides) and the normalisation of its graph.
@@ -455,7 +462,7 @@ def run_workload(name: str, models, forms, ks, device, repeats, scale,
         summarise(entry)
         _report_paired(kind, entry)
         result["models"][kind] = entry
-    del data, ei, x, y
+    data = ei = x = y = None  # freed before the cache is emptied (the lambdas above name them)
     clear_graph_cache()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -516,7 +523,7 @@ def _report_paired(kind, entry) -> None:
 def summarise(entry) -> None:
     """Speedups of every MaxK run over every stock form, and the Amdahl limit."""
     outside = entry["stock_outside_mp"].get("median_ms")
-    for k, m in entry["maxk"].items():
+    for m in entry["maxk"].values():
         if "median_ms" not in m:
             continue
         m["speedup"] = {form: s["median_ms"] / m["median_ms"]
@@ -533,7 +540,7 @@ def summarise(entry) -> None:
             m["speedup_interleaved"] = {form: s / t["median_ms"] for form, s in stock_side.items()}
             m["paired_speedup_interleaved"] = {
                 form: paired_speedup(side[f"stock {form}"], t) for form in stock_side}
-    for k, m in entry["maxk"].items():
+    for m in entry["maxk"].values():
         for key, by_form in (("vs_fastest_stock", m.get("speedup")),
                              ("vs_fastest_stock_interleaved", m.get("speedup_interleaved"))):
             if by_form:  # the slowest-to-beat stock form is the one with the least speedup

@@ -60,11 +60,11 @@ NUMBA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: Feature types the CPU kernels take (they compute in that type).
 CPU_DTYPES = (torch.float32, torch.float64)
 #: Widest rows the Numba select kernel takes (each lane holds dim / 32 keys in
-#: registers); measured on an H200 up to this width, where it beat
-#: :func:`torch.topk` for every k (232,965 and 2,449,029 rows).
+#: registers); up to this width it beats :func:`torch.topk` for every k
+#: (``benchmarks/kernels.py``).
 MAX_SELECT_DIM = 1024
 #: Rows from which ``"auto"`` runs the Numba CBSR linear kernel; below, the
-#: host-bound dense path is as fast (Cora-sized graphs on an H200).
+#: host-bound dense path is as fast (small graphs are bound by host time).
 LINEAR_MIN_ROWS = 1 << 15
 
 _requested: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar(
@@ -92,14 +92,13 @@ def allow_half_reductions(enabled: bool = True) -> None:
     When allowed, the ``"numba"`` backend computes the gradient of
     bfloat16/float16 CBSR values (``k`` a multiple of 8, sm_90 and later)
     with packed half-precision atomic additions: 8 slots per 16-byte
-    reduction instead of 4 float32 ones (H200, Reddit-shaped graph, k=32:
-    2.97 ms instead of 4.61 ms; ``benchmarks/kernels.py --half-reductions``). Each
+    reduction instead of 4 float32 ones, which halves the reduction traffic
+    that binds this kernel (``benchmarks/kernels.py --half-reductions``). Each
     addition rounds the running sum to the half type, so an entry summed
     over ``d`` edges is rounded ``d`` times instead of once: its error is
     at most about ``(d + 1) * u * sum|terms|`` (``u`` = 2**-8 for bfloat16,
-    2**-11 for float16) instead of about ``u * |sum|``. Measured there: 5%
-    of the gradient's norm in bfloat16 (10% on hub rows) and 1% in float16,
-    against 0.17% and 0.02% with float32 sums. float16 sums can overflow
+    2**-11 for float16) instead of about ``u * |sum|``, largest on hub rows
+    (``benchmarks/README.md`` gives the measured errors). float16 sums can overflow
     where a float32 sum would not. Float32 training is unaffected. A CUDA
     graph keeps the kernels it captured: change the setting before capturing.
     """
@@ -234,8 +233,8 @@ def _decision(op, requested, device_type, dtype, dim, k, uniform, large) -> str:
             raise BackendError(f"pyg_maxk backend 'numba' cannot run {op!r}: {reason}")
         if op == "linear" and not (large and _linear_kernel_takes(dtype, dim, k, uniform)
                                    and _linear_pays(dim, k)):
-            # The numba backend's linear map is then densify + GEMM (measured
-            # faster there; the densify is still the numba kernel's).
+            # The numba backend's linear map is then densify + GEMM (the GEMM
+            # wins outside the kernel's range; the densify is still numba's).
             return "torch"
         return "numba"
     if dtype in CPU_DTYPES and _numba_importable():

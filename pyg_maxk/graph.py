@@ -739,7 +739,8 @@ class _GraphCache:
 
     def __init__(self, capacity: int = 8) -> None:
         self.capacity = capacity
-        self._entries: "OrderedDict[Hashable, Tuple[List[weakref.ref], Tuple[int, ...], CSRGraph]]" = OrderedDict()
+        self._entries: "OrderedDict[Hashable, Tuple[List[weakref.ref], Tuple[int, ...], CSRGraph]]"
+        self._entries = OrderedDict()
 
     def _key(self, anchors: List[Any], params: Tuple) -> Hashable:
         return (tuple(id(a) for a in anchors), params)

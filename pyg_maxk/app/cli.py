@@ -19,8 +19,15 @@ from typing import Dict, List, Optional
 import torch
 
 from .datasets import PRESETS, DatasetUnavailable, dataset_names, load_dataset
-from .training import (STOCK_FORMS, TrainConfig, ddp_context, ddp_shutdown, flush_denormals,
-                       train_full_batch, train_neighbor)
+from .training import (
+    STOCK_FORMS,
+    TrainConfig,
+    ddp_context,
+    ddp_shutdown,
+    flush_denormals,
+    train_full_batch,
+    train_neighbor,
+)
 
 DEFAULT_DATASET = "small"
 
@@ -29,7 +36,8 @@ def _fanout(text: str) -> List[int]:
     try:
         values = [int(v) for v in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--fanout takes comma-separated integers, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"--fanout takes comma-separated integers, got {text!r}") from None
     if not values or any(v == 0 or v < -1 for v in values):
         raise argparse.ArgumentTypeError("--fanout values are positive (or -1: all neighbours)")
     return values

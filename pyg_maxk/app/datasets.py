@@ -35,7 +35,8 @@ PRESETS: Dict[str, Preset] = {
 
 
 def lognormal_degrees(num_nodes: int, num_edges: int, *, sigma: float = 1.5,
-                      max_degree: Optional[int] = None, generator: Optional[torch.Generator] = None) -> Tensor:
+                      max_degree: Optional[int] = None,
+                      generator: Optional[torch.Generator] = None) -> Tensor:
     """``[num_nodes]`` in-degrees summing to ``num_edges``, lognormal-shaped;
     node 0 gets ``max_degree`` (when given) so the tail is always present."""
     normal = torch.randn(num_nodes, generator=generator, dtype=torch.float64)

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .datasets import NodeTask
 from ..nn import MaxKGCN, MaxKGIN, MaxKGraphSAGE
+from .datasets import NodeTask
 
 MODELS = {"sage": MaxKGraphSAGE, "gcn": MaxKGCN, "gin": MaxKGIN}
 
@@ -65,9 +65,9 @@ def flush_denormals(device: str | torch.device) -> bool:
     which include PyTorch's intra-op pool if no parallel op has run yet.
 
     As training drives the loss down, gradients reach the denormal range
-    (below 1.2e-38 in float32), where x86 GEMMs slow down several times
-    (late epochs of a Cora-sized MaxK SAGE on a CPU took three times as long
-    as early ones). Values this small change no result that matters. Returns whether it took effect (False on a GPU
+    (below 1.2e-38 in float32), where x86 GEMMs slow down several times, so
+    late epochs would run slower than early ones. Values this small change
+    no result that matters. Returns whether it took effect (False on a GPU
     device and on CPUs without FTZ/DAZ)."""
     if torch.device(device).type != "cpu":
         return False
@@ -87,8 +87,8 @@ def build_model(cfg: TrainConfig, in_channels: int, out_channels: int,
 STOCK_FORMS = ("auto", "edge_index", "csr", "SparseTensor")
 #: Edges below which stock PyG trains fastest on ``edge_index`` on a GPU (its
 #: gather/scatter launches fewer kernels than the CSR product); from here and
-#: on a CPU a ``torch.sparse`` CSR ``adj_t`` is faster. Measured on an H200 and
-#: on a 2-core CPU (``benchmarks/train.py``: ``train.json``, ``train-cpu*.json``).
+#: on a CPU a ``torch.sparse`` CSR ``adj_t`` is faster (``benchmarks/train.py``:
+#: ``train.json``, ``train-cpu*.json``).
 EDGE_INDEX_MAX_EDGES = 1 << 20
 
 

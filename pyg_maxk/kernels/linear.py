@@ -52,7 +52,7 @@ def linear_fits(dim: int, k: int, warps: int = LINEAR_WARPS) -> bool:
 
 def linear_pays(dim: int, k: int) -> bool:
     """Whether the kernel beats densify + GEMM: ``k <= max(16, dim / 8)``, the
-    boundary measured on an H200 (``benchmarks/kernels.py``, dims 64-512)."""
+    boundary ``benchmarks/kernels.py`` finds over dims 64-512."""
     return k <= max(16, dim // 8)
 
 
@@ -158,8 +158,8 @@ def column_sum_kernel(columns: int, half: str = ""):
     (``R`` = :func:`column_sum_slices`): consecutive threads read consecutive
     entries of a row, and each thread keeps :data:`COLUMN_SUM_UNROLL` loads
     in flight. Then one float32 atomic add per thread; a column gets ``R``.
-    (torch's ``sum(0)`` over the rows of ``[N, 256]`` reaches about a third
-    of the memory bandwidth on an H200.)"""
+    (torch's ``sum(0)`` over the rows of a narrow ``[N, dim]`` stays far
+    below the memory bandwidth.)"""
     cols = uint32(columns)
     unroll = COLUMN_SUM_UNROLL
     value_of = widen(half)

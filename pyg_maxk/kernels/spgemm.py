@@ -87,19 +87,18 @@ MAX_REGISTERS = 64
 #: Static shared memory a kernel may use (the CUDA default per block).
 SHARED_BYTES = 48 * 1024
 #: Floats between the forward's shared rows beyond ``dim``. MaxK picks the
-#: same popular columns in many rows (a Reddit-trained SAGE layer: some
-#: column in every row, 27-29 columns in more than half), so the groups of a
-#: warp, each adding a different neighbour to its own row, hit the same
-#: column at once; with rows ``dim`` floats apart (a multiple of 32 banks)
-#: those are bank conflicts. An odd stride puts them in different banks (on
-#: such layers' CBSR 10-35% faster; on random features no change).
+#: same popular columns in many rows (a trained layer keeps some columns in
+#: most rows), so the groups of a warp, each adding a different neighbour to
+#: its own row, hit the same column at once; with rows ``dim`` floats apart
+#: (a multiple of 32 banks) those are bank conflicts. An odd stride puts them
+#: in different banks (``benchmarks/bank_conflicts.py`` simulates the layouts).
 ROW_PAD = 1
 
 
 def spgemm_vector_width(k: int) -> int:
     """CBSR slots a lane of the forward reads per load (one 4-, 8- or 16-byte
-    load of values, one word of indices), the fastest of 1, 2 and 4 on an
-    H200 (Reddit-shaped graph, dim 256). At k=8 wider loads do not pay (the
+    load of values, one word of indices), the best of 1, 2 and 4 in
+    ``benchmarks/kernels.py``. At k=8 wider loads do not pay (the
     separate load of indices costs an L2 request either way; see
     :func:`reads_pairs`); at k=16, 4 slots per lane put 8 neighbours side by
     side, whose shared rows cost occupancy."""
@@ -110,7 +109,7 @@ def spgemm_vector_width(k: int) -> int:
 
 def sspmm_vector_width(k: int) -> int:
     """CBSR slots a lane of the backward reads and adds to at once (one
-    vector reduction), the fastest of 1, 2 and 4 on an H200 (as above)."""
+    vector reduction), the best of 1, 2 and 4 (as above)."""
     if k >= 16 and k % 4 == 0:
         return 4
     return 2 if k >= 8 and k % 2 == 0 else 1
@@ -123,7 +122,8 @@ def neighbour_lanes(k: int, width: int = 1) -> int:
 
 def staged_round(k: int) -> int:
     """Neighbours a kernel stages in shared memory per round: 128 while a
-    lane owns one slot (``k <= 32``), else 32, as measured (module docs)."""
+    lane owns one slot (``k <= 32``), else 32, the best of the sizes the
+    module docs name."""
     return 128 if k <= WARP else WARP
 
 
@@ -146,10 +146,10 @@ def group_rows(k: int, dim: int, warps: int, width: int = 1) -> Tuple[int, int]:
 
 def spgemm_unroll(k: int, width: int = 1) -> int:
     """Neighbours whose loads a lane of the forward issues before it applies
-    their updates: 8 for ``8 <= k <= 32`` with 4-byte loads, else 4, the
-    fastest on an H200 (Reddit-shaped graph, dim 256): loads in flight per
-    warp matter more than warps per SM. With 2 or 4 slots per load the warp
-    already has ``32 / lanes`` neighbours per load, and 4 measured best."""
+    their updates: 8 for ``8 <= k <= 32`` with 4-byte loads, else 4: the
+    gather is latency-bound, so loads in flight per warp matter more than
+    warps per SM. With 2 or 4 slots per load the warp already has
+    ``32 / lanes`` neighbours per load, and 4 suffices."""
     if width > 1:
         return 4
     return 8 if 8 <= k <= WARP else 4
@@ -505,8 +505,8 @@ def sspmm_kernel(dim: int, k: int, threads: int, weighted: bool, scaled: bool = 
                         j = slot + uint32(c) * chunk_step
                         live = active and j < kk
                         # Guarded loads here (unlike the forward's clamped ones):
-                        # measured faster, as the fire-and-forget atomics never
-                        # wait on them.
+                        # the fire-and-forget atomics never wait on them, so
+                        # skipping dead loads costs nothing.
                         for u in range(unroll):
                             q = first + uint32(u) * n_groups
                             if live and q < n:

@@ -7,10 +7,16 @@ from typing import Any, Optional, Tuple, Union
 import torch
 from torch import Tensor
 from torch_geometric.nn import MessagePassing
+from torch_geometric.typing import Size
 
 from ..cbsr import CBSR
-from ..graph import (CSRGraph, _is_edge_index_type, _is_sparse_tensor, _is_torch_sparse,
-                     graph_with_edge_values)
+from ..graph import (
+    CSRGraph,
+    _is_edge_index_type,
+    _is_sparse_tensor,
+    _is_torch_sparse,
+    graph_with_edge_values,
+)
 from ..ops import _check_features, aggregate, check_k, maxk
 
 Features = Union[Tensor, CBSR]
@@ -93,7 +99,7 @@ class MaxKConv(MessagePassing):
 
     SUPPORTED_AGGRS: Tuple[str, ...] = ("sum", "add")
 
-    def __init__(self, *, k: int = 32, dropout: float = 0.0, **kwargs) -> None:
+    def __init__(self, *, k: int = 32, dropout: float = 0.0, **kwargs: Any) -> None:
         aggr = kwargs.get("aggr", "add")
         if not isinstance(aggr, str) or aggr not in self.SUPPORTED_AGGRS:
             raise ValueError(
@@ -182,7 +188,8 @@ class MaxKConv(MessagePassing):
         raise NotImplementedError
 
     def graph_for(self, adj: Any, x_src: Features, x_dst: Optional[Features] = None,
-                  size=None, *, edge_weight: Optional[Tensor] = None) -> CSRGraph:
+                  size: Size = None, *,
+                  edge_weight: Optional[Tensor] = None) -> CSRGraph:
         """The :class:`CSRGraph` of ``adj`` for this layer, with its operands
         for this layer's ``k`` built.
 

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -53,7 +53,7 @@ class MaxKGCNConv(MaxKConv):
     def __init__(self, in_channels: int, out_channels: int, improved: bool = False,
                  cached: bool = False, add_self_loops: Optional[bool] = None,
                  normalize: bool = True, bias: bool = True, *, k: int = 32,
-                 dropout: float = 0.0, **kwargs) -> None:
+                 dropout: float = 0.0, **kwargs: Any) -> None:
         kwargs.setdefault("aggr", "add")
         super().__init__(k=k, dropout=dropout, **kwargs)
         if add_self_loops is None:

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from typing import Callable, Union
+from typing import Any, Callable, Union
 
 import torch
 from torch import Tensor
@@ -40,7 +40,7 @@ class MaxKGINConv(MaxKConv):
     """
 
     def __init__(self, nn: Callable, eps: float = 0., train_eps: bool = False,
-                 *, k: int = 32, dropout: float = 0.0, **kwargs) -> None:
+                 *, k: int = 32, dropout: float = 0.0, **kwargs: Any) -> None:
         kwargs.setdefault("aggr", "add")
         super().__init__(k=k, dropout=dropout, **kwargs)
         self.nn = nn

@@ -1,8 +1,7 @@
 from __future__ import annotations
 
-from typing import List, Optional, Tuple, Union
+from typing import Any, List, Optional, Tuple, Union
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch_geometric.nn.dense.linear import Linear, is_uninitialized_parameter
@@ -53,7 +52,7 @@ class MaxKSAGEConv(MaxKConv):
     def __init__(self, in_channels: Union[int, Tuple[int, int]], out_channels: int,
                  aggr: Optional[Union[str, List[str]]] = "mean", normalize: bool = False,
                  root_weight: bool = True, project: bool = False, bias: bool = True,
-                 *, k: int = 32, dropout: float = 0.0, **kwargs) -> None:
+                 *, k: int = 32, dropout: float = 0.0, **kwargs: Any) -> None:
         if project:
             raise ValueError(
                 "MaxKSAGEConv does not support project=True: the projection "

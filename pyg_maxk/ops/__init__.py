@@ -188,5 +188,5 @@ def _linear_is_dense(h: CBSR, weight: Tensor, bias: Tensor | None) -> bool:
             or torch.is_autocast_enabled(h.device.type))
 
 
-__all__ = ["maxk", "aggregate", "aggregation_dtype", "cbsr_linear", "check_k",
+__all__ = ["maxk", "aggregate", "aggregation_dtype", "cbsr_linear", "check_k", "dtype_of",
            "linear_backend", "to_dense"]

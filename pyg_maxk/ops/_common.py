@@ -31,5 +31,5 @@ def dtype_of(t: Optional[Tensor]) -> Optional[torch.dtype]:
 
 def as_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
     """``t.to(dtype)``, skipped when ``t`` has that type already: even a
-    no-op ``to`` costs 1-2 us of host time, and small graphs are host-bound."""
+    no-op ``to`` costs host time, and small graphs are host-bound."""
     return t if t.dtype == dtype else t.to(dtype)

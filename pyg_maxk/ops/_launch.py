@@ -2,18 +2,17 @@
 
 The first launch of a kernel specialisation goes through Numba (which
 compiles it, and wraps every tensor through the CUDA Array Interface,
-re-deriving its type: ~0.1 ms per array argument). Later launches skip Numba:
+re-deriving its type for every array argument). Later launches skip Numba:
 the kernel's arguments are packed into one parameter buffer (one per
 kernel specialisation, reused by its launches), in the layout
 Numba's kernels take them (an array is ``meminfo, parent, nitems, itemsize,
 data, shape..., strides...``, an integer an int64: all 8-byte fields), and
 handed to the driver's ``cuLaunchKernel`` on the caller's current torch
-stream. Measured on an H200 host, a launch through Numba's own dispatch
-(``cuda.core``'s ``launch`` with one argument object per field, and a context
-lookup per call) costs 40-65 us of Python. This path derives the kernel's
-key and the fields in one pass and packs them in place into the buffer of
-that specialisation: 19 us on a 2-core CPU for 11 arguments, short of the
-driver call (38 us with a fresh ctypes array per launch).
+stream. A launch through Numba's own dispatch builds one argument object
+per field through ``cuda.core``'s ``launch`` and looks the context up on
+every call; this path derives the kernel's key and the fields in one pass
+and packs them in place into the buffer of that specialisation, with no
+fresh ctypes array per launch (``benchmarks/overhead.py`` measures both).
 
 If any piece is missing (no ``libcuda``, another numba-cuda internal API),
 every launch takes Numba's path, which gives the same results.
@@ -149,7 +148,8 @@ class Launcher:
         index = device_index(device)
         sms = self._num_sms.get(index)
         if sms is None:
-            sms = self._num_sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
+            props = torch.cuda.get_device_properties(index)
+            sms = self._num_sms[index] = props.multi_processor_count
         return sms * max(1, BLOCKS_PER_SM * 128 // threads)
 
     def resident_blocks(self, device: torch.device, threads: int, shared_bytes: int) -> int:

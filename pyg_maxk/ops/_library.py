@@ -20,8 +20,8 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from ..cbsr import index_dtype_for
 from .. import dispatch
+from ..cbsr import index_dtype_for
 from ..dispatch import choose
 from ..graph import PackedGraph, layout_dtype, layout_numel, unpack
 from . import torch_ops

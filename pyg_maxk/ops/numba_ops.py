@@ -30,14 +30,28 @@ from ..dispatch import half_reductions_allowed
 from ..graph import GraphOperands
 from ..kernels import geometry
 from ..kernels._half import stores_pairs
-from ..kernels._warp import WARP
-from ..kernels.linear import (column_sum_kernel, column_sum_slices, column_tiles, linear_blocks,
-                              linear_kernel, linear_shared_bytes)
-from ..kernels.maxk_select import densify_kernel, gather_kernel, select_kernel
 from ..kernels._vector import PACKED_HALF_SLOTS
-from ..kernels.spgemm import (pair_width_fits, pairs_kernel, reads_pairs, sddmm_kernel,
-                              spgemm_kernel, spgemm_vector_width, sspmm_kernel,
-                              sspmm_vector_width, zeroed_rows_kernel)
+from ..kernels._warp import WARP
+from ..kernels.linear import (
+    column_sum_kernel,
+    column_sum_slices,
+    column_tiles,
+    linear_blocks,
+    linear_kernel,
+    linear_shared_bytes,
+)
+from ..kernels.maxk_select import densify_kernel, gather_kernel, select_kernel
+from ..kernels.spgemm import (
+    pair_width_fits,
+    pairs_kernel,
+    reads_pairs,
+    sddmm_kernel,
+    spgemm_kernel,
+    spgemm_vector_width,
+    sspmm_kernel,
+    sspmm_vector_width,
+    zeroed_rows_kernel,
+)
 from ._common import as_dtype, spgemm_dtype
 from ._launch import device_index, launcher
 
@@ -64,8 +78,8 @@ def _kernel_input(t: Tensor) -> Tensor:
     """``t`` as the kernels read it, C-contiguous: a half type as its 16-bit
     patterns (an ``int16`` view, no copy), anything else as float32 (no copy
     when it is). The kernels take raw pointers, so a tensor that requires a
-    gradient needs no ``detach`` (each no-op ``to``/``detach`` costs 1-2 us
-    of host time, and small graphs are host-bound)."""
+    gradient needs no ``detach`` (even a no-op ``to``/``detach`` costs host
+    time, and small graphs are host-bound)."""
     if t.dtype in HALF_KINDS:
         return t.contiguous().view(torch.int16)
     return as_dtype(t, KERNEL_DTYPE).contiguous()
