@@ -11,7 +11,20 @@ if not torch.cuda.is_available():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (run with `-m gpu`)")
-    config.addinivalue_line("markers", "sim: runs Numba kernels in the CUDA simulator (slow)")
+    config.addinivalue_line("markers", "slow: the full tier only (`-m 'not gpu'`): sweeps, "
+                            "subprocesses, gradcheck, torch.compile, whole notebooks")
+    config.addinivalue_line("markers", "sim: runs Numba kernels in the CUDA simulator; "
+                            "slow unless also marked smoke")
+    config.addinivalue_line("markers", "smoke: a simulator case the fast tier runs too")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    # The simulator runs a kernel's every thread in Python: all but a smoke
+    # set (each kernel family on each code path) belong to the full tier.
+    for item in items:
+        if item.get_closest_marker("sim") and not item.get_closest_marker("smoke"):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(autouse=True)

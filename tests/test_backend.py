@@ -38,7 +38,8 @@ def test_auto_uses_the_cpu_kernels_on_cpu():
 
 
 def test_forced_cpu_backend_rejects_what_it_cannot_take():
-    with pyg_maxk.use_backend("cpu"), pytest.raises(pyg_maxk.BackendError, match="float32/float64 CPU"):
+    with pyg_maxk.use_backend("cpu"), \
+            pytest.raises(pyg_maxk.BackendError, match="float32/float64 CPU"):
         resolve_backend(torch.zeros(1, dtype=torch.float16))
 
 
@@ -47,6 +48,7 @@ def test_numba_rejects_float64():
         resolve_backend(torch.zeros(1, dtype=torch.float64))
 
 
+@pytest.mark.slow
 def test_forced_numba_on_cpu_without_simulator_is_a_clear_error():
     code = ("import torch, pyg_maxk\n"
             "with pyg_maxk.use_backend('numba'):\n"
@@ -173,7 +175,8 @@ def test_value_index_pairs():
     assert reads_pairs(1) and reads_pairs(PAIRS_MAX_K) and not reads_pairs(PAIRS_MAX_K + 1)
     for index_dtype in (torch.uint8, torch.int16, torch.int32):
         values = torch.randn(5, 3, device=device)
-        idx = torch.randint(0, 300 if index_dtype != torch.uint8 else 256, (5, 3)).to(device, index_dtype)
+        high = 300 if index_dtype != torch.uint8 else 256
+        idx = torch.randint(0, high, (5, 3)).to(device, index_dtype)
         pairs = value_index_pairs(values, idx)
         assert pairs.shape == (5, 3, 2) and pairs.dtype == torch.float32
         assert torch.equal(pairs[..., 0], values)

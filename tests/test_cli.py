@@ -109,7 +109,7 @@ class _FakeOgbDataset:
 def test_ogb_datasets_use_the_split_and_ogbs_evaluator(name, metric, monkeypatch, capsys):
     # ogb is a dependency of the package (installed with it, as CI does); a
     # bare environment such as the GPU host's may lack it.
-    ogb = pytest.importorskip("ogb")
+    pytest.importorskip("ogb")
     import ogb.nodeproppred
     monkeypatch.setattr(ogb.nodeproppred, "PygNodePropPredDataset", _FakeOgbDataset)
     from pyg_maxk.app.datasets import load_dataset

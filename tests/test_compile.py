@@ -12,9 +12,8 @@ import torch._dynamo
 from torch_geometric.data import Data
 
 import pyg_maxk
-from pyg_maxk.nn import MaxKGCN, MaxKGIN, MaxKGraphSAGE, MaxKSAGEConv
-
 from helpers import random_edge_index
+from pyg_maxk.nn import MaxKGCN, MaxKGIN, MaxKGraphSAGE, MaxKSAGEConv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 N, F_IN, HIDDEN, K = 40, 12, 24, 6
@@ -68,6 +67,7 @@ def _prepared(kind, edge_index, num_nodes=N):
 @pytest.mark.parametrize("kind", list(MODELS))
 @pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize("prepared", [False, True])
+@pytest.mark.slow
 def test_compiled_model_matches_eager(kind, dynamic, prepared):
     x, ei = _data()
     adj = _prepared(kind, ei) if prepared else ei
@@ -82,6 +82,7 @@ def test_compiled_model_matches_eager(kind, dynamic, prepared):
 
 
 @pytest.mark.parametrize("kind", list(MODELS))
+@pytest.mark.slow
 def test_inductor_compiles_a_prepared_graph_whole(kind):
     x, ei = _data()
     adj = _prepared(kind, ei)
@@ -92,6 +93,7 @@ def test_inductor_compiles_a_prepared_graph_whole(kind):
 
 
 @pytest.mark.parametrize("kind", list(MODELS))
+@pytest.mark.slow
 def test_graph_breaks(kind):
     x, ei = _data()
     model = _model(kind)
@@ -123,6 +125,7 @@ def _graph_inputs(model, x, adj, **kwargs):
 
 
 @pytest.mark.parametrize("kind", list(MODELS))
+@pytest.mark.slow
 def test_a_prepared_graph_crosses_the_compiled_boundary_as_one_tensor(kind):
     """Every tensor at the boundary costs host time per call (guards, CUDA-graph
     input checks, saved tensors): the schedule, the structure and the edge
@@ -132,6 +135,7 @@ def test_a_prepared_graph_crosses_the_compiled_boundary_as_one_tensor(kind):
 
 
 @pytest.mark.parametrize("prepared", [False, True])
+@pytest.mark.slow
 def test_a_new_adjacency_of_the_same_shape_gives_its_own_result(prepared):
     x, ei = _data()
     _, other = _data(seed=5)  # same node and edge counts, other edges
@@ -147,6 +151,7 @@ def test_a_new_adjacency_of_the_same_shape_gives_its_own_result(prepared):
     torch.testing.assert_close(compiled(x, ei), model(x, ei), rtol=TOL[0], atol=TOL[1])
 
 
+@pytest.mark.slow
 def test_precomputed_gcn_normalisation_compiles_and_trains():
     import torch_geometric.transforms as T
     x, ei = _data()
@@ -171,6 +176,7 @@ def test_precomputed_gcn_normalisation_compiles_and_trains():
     assert losses[0][-1] < losses[0][0]
 
 
+@pytest.mark.slow
 def test_a_change_of_backend_recompiles():
     from pyg_maxk.ops import torch_ops
     x, ei = _data()
@@ -191,6 +197,7 @@ def test_a_change_of_backend_recompiles():
         torch_ops.spgemm = original
 
 
+@pytest.mark.slow
 def test_a_graph_not_prepared_for_the_layers_k_breaks_the_graph_once():
     x, ei = _data()
     data = Data(edge_index=ei, num_nodes=N)

@@ -4,12 +4,22 @@ import pytest
 import torch
 
 import pyg_maxk
+from helpers import (
+    FORMS,
+    K,
+    N,
+    adjacency,
+    assert_same_as_stock,
+    assert_same_selection,
+    assert_ties_keep_lowest_columns,
+    few_valued_rows,
+    make_pair,
+    random_edge_index,
+    random_features,
+    random_weights,
+)
 from pyg_maxk import CBSR, CSRGraph
 from pyg_maxk.ops import cpu_ops
-
-from helpers import (FORMS, adjacency, assert_same_as_stock, assert_same_selection,
-                     assert_ties_keep_lowest_columns, few_valued_rows, random_edge_index)
-from test_layers import K, N, _weights, _x, make_pair
 
 
 def random_cbsr(num_rows, dim, k, dtype, seed=0):
@@ -92,9 +102,9 @@ def test_cbsr_linear_cpu_kernels_only_for_one_float_type():
 @pytest.mark.parametrize("kind", ["sage", "gcn", "gin"])
 def test_layer_contract(kind, form):
     ei = random_edge_index(N, N, 50, seed=3)
-    value = _weights(ei.size(1)) if form in ("SparseTensor", "coo", "csr") else None
+    value = random_weights(ei.size(1)) if form in ("SparseTensor", "coo", "csr") else None
     ours, stock = make_pair(kind)
-    assert_same_as_stock(ours, stock, _x(), (adjacency(form, ei, (N, N), value),), K,
+    assert_same_as_stock(ours, stock, random_features(), (adjacency(form, ei, (N, N), value),), K,
                          backend="cpu")
 
 
@@ -102,11 +112,12 @@ def test_layer_contract(kind, form):
 def test_layer_contract_bipartite(kind):
     ei = random_edge_index(11, 7, 30, seed=4)
     ours, stock = make_pair(kind)
-    x = (_x(11), _x(7, seed=5))
+    x = (random_features(11), random_features(7, seed=5))
     assert_same_as_stock(ours, stock, x, (ei, (11, 7)), K, backend="cpu")
 
 
 @pytest.mark.parametrize("kind", ["sage", "gcn", "gin"])
+@pytest.mark.slow
 def test_gradcheck_float64(kind):
     ei = random_edge_index(8, 8, 20, seed=10)
     conv = make_pair(kind, f_in=6, k=3)[0].double()

@@ -9,10 +9,8 @@ import torch
 from torch_geometric.explain.algorithm.utils import clear_masks, set_masks
 
 import pyg_maxk
+from helpers import dense_maxk, make_pair, random_edge_index, sparse_tensor_on_cuda_or_skip
 from pyg_maxk.nn import MaxKGCN
-
-from helpers import dense_maxk, random_edge_index
-from test_layers import make_pair
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -191,7 +189,6 @@ def test_gcn_learnable_values_of_a_sparse_adjacency(backend, normalize, form):
         if form == "SparseTensor":
             torch_sparse = pytest.importorskip("torch_sparse")
             if DEVICE == "cuda":
-                from test_gpu import sparse_tensor_on_cuda_or_skip
                 sparse_tensor_on_cuda_or_skip()
             return torch_sparse.SparseTensor(row=ei[1], col=ei[0], value=values,
                                              sparse_sizes=(N, N), is_sorted=True)
@@ -225,6 +222,7 @@ def test_pg_explainer_on_a_maxk_model():
     assert explanation.edge_mask.shape == (ei.size(1),)
 
 
+@pytest.mark.slow
 def test_learnable_edge_weights_under_compile():
     torch._dynamo.reset()
     ei = random_edge_index(N, N, 120, seed=9)
@@ -256,7 +254,6 @@ def test_explain_edge_mask_on_a_sparse_adjacency(backend, kind, form):
     if form == "SparseTensor":
         torch_sparse = pytest.importorskip("torch_sparse")
         if DEVICE == "cuda":
-            from test_gpu import sparse_tensor_on_cuda_or_skip
             sparse_tensor_on_cuda_or_skip()
         adj = torch_sparse.SparseTensor(row=ei[1], col=ei[0], value=values,
                                         sparse_sizes=(N, N), is_sorted=True)
@@ -272,6 +269,7 @@ def test_explain_edge_mask_on_a_sparse_adjacency(backend, kind, form):
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.slow
 def test_gradcheck_of_the_aggregation_in_its_edge_values(backend, split_rows):
     """float64 ``gradcheck`` of the CBSR aggregation in its edge values and
     CBSR values (the SDDMM and the SSpMM), with split rows."""
@@ -301,6 +299,7 @@ def test_to_hetero_and_graph_mask_explainer():
     from torch_geometric.explain import Explainer
     from torch_geometric.explain.algorithm import GraphMaskExplainer
     from torch_geometric.nn import to_hetero
+
     from pyg_maxk.nn import MaxKSAGEConv
 
     data = HeteroData()

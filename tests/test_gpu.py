@@ -8,16 +8,28 @@ import pytest
 import torch
 
 import pyg_maxk
+from helpers import (
+    FORMS,
+    HALF,
+    adjacency,
+    assert_same_as_stock,
+    assert_same_selection,
+    check_cbsr_linear,
+    check_half_kernels,
+    check_half_reductions,
+    check_kernels,
+    dense_reference,
+    every_k_case,
+    kernel_maxk,
+    make_pair,
+    poison_allocator,
+    random_cbsr,
+    random_edge_index,
+    sparse_tensor_on_cuda_or_skip,
+)
 from pyg_maxk import CSRGraph
 from pyg_maxk.kernels import geometry
 from pyg_maxk.ops import numba_ops
-
-from helpers import FORMS, adjacency, assert_same_as_stock, dense_reference, random_edge_index
-from test_layers import make_pair
-from test_numba_backend import (HALF, assert_same_selection, check_cbsr_linear,
-                                check_half_kernels, check_half_reductions, check_kernels,
-                                every_k_case, kernel_maxk,
-                                poison_allocator, random_cbsr)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -227,6 +239,7 @@ def test_layer_contract_under_autocast(kind, input_dtype):
     # own (stock sums bf16 messages in bf16, the kernels in float32).
     # Features in float32 (a first layer) or bf16 (as autocast hands them on).
     import copy
+
     from helpers import clone_features, dense_maxk
     n = 3000
     ei = random_edge_index(n, n, 60_000, seed=5).cuda()
@@ -258,22 +271,13 @@ def test_layer_contract_under_autocast(kind, input_dtype):
         assert err(a, t) <= 1.5 * err(b, t) + 1e-3, (what, err(a, t), err(b, t))
 
 
-def sparse_tensor_on_cuda_or_skip():
-    torch_sparse = pytest.importorskip("torch_sparse")
-    try:
-        torch_sparse.SparseTensor(row=torch.zeros(1, dtype=torch.long, device="cuda"),
-                                  col=torch.zeros(1, dtype=torch.long, device="cuda"),
-                                  sparse_sizes=(1, 1)).csr()
-    except RuntimeError as err:  # e.g. a CPU-only torch_sparse build
-        pytest.skip(f"torch_sparse has no CUDA ops here ({err})")
-
-
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("kind", ["sage", "gcn", "gin"])
 def test_layer_contract_on_cuda(kind, form):
     n = 3000
     ei = random_edge_index(n, n, 60_000, seed=5).cuda()
-    value = (torch.rand(ei.size(1), device="cuda") + 0.1) if form not in ("edge_index", "EdgeIndex") else None
+    weighted = form not in ("edge_index", "EdgeIndex")
+    value = (torch.rand(ei.size(1), device="cuda") + 0.1) if weighted else None
     if form == "SparseTensor":
         sparse_tensor_on_cuda_or_skip()
     adj = adjacency(form, ei, (n, n), value)
@@ -410,7 +414,8 @@ for cls in (pyg_maxk.nn.MaxKGraphSAGE, pyg_maxk.nn.MaxKGCN, pyg_maxk.nn.MaxKGIN)
         with torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None):
             loss = torch.nn.functional.cross_entropy(model(x, ei).float(), y)
         loss.backward()
-        sums.append([float(loss)] + [float(p.grad.double().abs().sum()) for p in model.parameters()])
+        sums.append([float(loss)]
+                    + [float(p.grad.double().abs().sum()) for p in model.parameters()])
 ours = [d for d in gc.get_objects() if isinstance(d, CUDADispatcher)
         and type(d._cache).__name__ == "PackageCache"]
 print(json.dumps({"kernels": len(ours),

@@ -56,6 +56,7 @@ def probe(cache_env: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_kernel_keys_are_the_same_in_every_process(tmp_path):
     first, second = probe(str(tmp_path)), probe(str(tmp_path))
     assert first == second  # the closure hashes included: a new process finds the entries
@@ -90,6 +91,7 @@ def _file_class(target):
 
 
 @pytest.mark.parametrize("target", ["cuda", "cpu"])
+@pytest.mark.slow
 def test_processes_saving_one_kernel_at_once_never_load_each_others_entries(tmp_path, target):
     # Numba's numbered files let two processes that compile specialisations
     # of one kernel at once take the same file: later, one loads the other's.
@@ -125,6 +127,7 @@ print(json.dumps([type(cpu.select_rows._cache._cache_file).__name__,
 """
 
 
+@pytest.mark.slow
 def test_cpu_kernels_load_from_their_cache_in_a_new_process(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     env.update(NUMBA_CACHE_DIR=str(tmp_path), PYTHONPATH=str(ROOT))
@@ -141,11 +144,13 @@ def test_cpu_kernels_load_from_their_cache_in_a_new_process(tmp_path):
     assert warm[1] >= 1 and warm[2] == 0  # loaded from its file
 
 
+@pytest.mark.slow
 def test_cache_can_be_switched_off(tmp_path):
     for _, path, _, _ in probe("0").values():
         assert path is None  # numba-cuda's NullCache: compiled in every process
 
 
+@pytest.mark.slow
 def test_unwritable_root_leaves_kernels_uncached(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")

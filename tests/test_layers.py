@@ -1,58 +1,42 @@
 """The layer contract: MaxKXConv(args, k=k)(x, adj) == XConv(args)(maxk(x), adj),
 forward and gradients, for every adjacency form and edge case."""
-import warnings
 
 import pytest
 import torch
 from torch_geometric.explain.algorithm.utils import set_masks
-from torch_geometric.nn import GCNConv, GINConv, SAGEConv
+from torch_geometric.nn import SAGEConv
 
 import pyg_maxk
+from helpers import (
+    F_IN,
+    F_OUT,
+    FORMS,
+    K,
+    N,
+    adjacency,
+    assert_same_as_stock,
+    dense_maxk,
+    make_pair,
+    random_edge_index,
+    random_features,
+    random_weights,
+)
 from pyg_maxk.nn import MaxKGCNConv, MaxKGINConv, MaxKSAGEConv
-
-from helpers import FORMS, adjacency, assert_same_as_stock, dense_maxk, random_edge_index
-
-N, F_IN, F_OUT, K = 14, 24, 8, 5
-
-
-def _x(n=N, f=F_IN, seed=1, dtype=torch.float32):
-    return torch.randn(n, f, generator=torch.Generator().manual_seed(seed)).to(dtype)
-
-
-def _weights(e, seed=2):
-    return torch.rand(e, generator=torch.Generator().manual_seed(seed)) + 0.1
-
-
-def _gin_nn(f_in=F_IN, f_out=F_OUT):
-    return torch.nn.Sequential(torch.nn.Linear(f_in, 16), torch.nn.ReLU(),
-                               torch.nn.Linear(16, f_out))
-
-
-def make_pair(kind, f_in=F_IN, k=K, **kw):
-    torch.manual_seed(0)
-    if kind == "sage":
-        return MaxKSAGEConv(f_in, F_OUT, k=k, **kw), SAGEConv(f_in, F_OUT, **kw)
-    if kind == "gcn":
-        return MaxKGCNConv(f_in, F_OUT, k=k, **kw), GCNConv(f_in, F_OUT, **kw)
-    if kind == "gin":
-        return (MaxKGINConv(_gin_nn(f_in), k=k, train_eps=True, eps=0.3, **kw),
-                GINConv(_gin_nn(f_in), train_eps=True, eps=0.3, **kw))
-    raise ValueError(kind)
 
 
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("kind", ["sage", "gcn", "gin"])
 def test_contract_every_adjacency_form(kind, form):
     ei = random_edge_index(N, N, 50, seed=3)
-    value = _weights(ei.size(1)) if form in ("SparseTensor", "coo", "csr", "csc") else None
+    value = random_weights(ei.size(1)) if form in ("SparseTensor", "coo", "csr", "csc") else None
     adj = adjacency(form, ei, (N, N), value)
     ours, stock = make_pair(kind)
     if kind == "gcn" and form == "csc":
         # Stock GCNConv cannot normalise a CSC adjacency; neither can we.
         with pytest.raises(NotImplementedError):
-            ours(_x(), adj)
+            ours(random_features(), adj)
         return
-    assert_same_as_stock(ours, stock, _x(), (adj,), K)
+    assert_same_as_stock(ours, stock, random_features(), (adj,), K)
 
 
 @pytest.mark.parametrize("kind", ["sage", "gin"])
@@ -62,7 +46,7 @@ def test_contract_bipartite(kind, form):
     ei = random_edge_index(n_src, n_dst, 30, seed=4)
     adj = adjacency(form, ei, (n_src, n_dst))
     ours, stock = make_pair(kind)
-    x = (_x(n_src, seed=5), _x(n_dst, seed=6))
+    x = (random_features(n_src, seed=5), random_features(n_dst, seed=6))
     size = (n_src, n_dst) if form == "edge_index" else None
     args = (adj, size)
     assert_same_as_stock(ours, stock, x, args, K)
@@ -73,16 +57,16 @@ def test_contract_bipartite_without_target_features(kind):
     n_src, n_dst = 11, 7
     ei = random_edge_index(n_src, n_dst, 30, seed=4)
     ours, stock = make_pair(kind)
-    assert_same_as_stock(ours, stock, (_x(n_src), None), (ei, (n_src, n_dst)), K)
+    assert_same_as_stock(ours, stock, (random_features(n_src), None), (ei, (n_src, n_dst)), K)
 
 
 def test_contract_gcn_edge_weight_and_options():
     ei = random_edge_index(N, N, 50, seed=7)
-    w = _weights(ei.size(1))
+    w = random_weights(ei.size(1))
     for kw in ({}, {"improved": True}, {"add_self_loops": False},
                {"normalize": False}, {"bias": False}):
         ours, stock = make_pair("gcn", **kw)
-        assert_same_as_stock(ours, stock, _x(), (ei, w), K)
+        assert_same_as_stock(ours, stock, random_features(), (ei, w), K)
 
 
 @pytest.mark.parametrize("kw", [{"aggr": "sum"}, {"root_weight": False},
@@ -90,14 +74,14 @@ def test_contract_gcn_edge_weight_and_options():
 def test_contract_sage_options(kw):
     ei = random_edge_index(N, N, 50, seed=8)
     ours, stock = make_pair("sage", **kw)
-    assert_same_as_stock(ours, stock, _x(), (ei,), K)
+    assert_same_as_stock(ours, stock, random_features(), (ei,), K)
 
 
 @pytest.mark.parametrize("kind", ["sage", "gcn", "gin"])
 def test_contract_empty_edge_set(kind):
     ei = torch.empty(2, 0, dtype=torch.long)
     ours, stock = make_pair(kind)
-    assert_same_as_stock(ours, stock, _x(), (ei,), K)
+    assert_same_as_stock(ours, stock, random_features(), (ei,), K)
 
 
 @pytest.mark.parametrize("kind", ["sage", "gcn", "gin"])
@@ -105,7 +89,7 @@ def test_contract_wide_features_and_identity_k(kind):
     f_in = 300  # beyond uint8 indices
     ei = random_edge_index(N, N, 40, seed=9)
     ours, stock = make_pair(kind, f_in=f_in, k=17)
-    x = _x(f=f_in)
+    x = random_features(f=f_in)
     assert pyg_maxk.maxk(x, 17).indices.dtype == torch.int16
     assert_same_as_stock(ours, stock, x, (ei,), 17)
     # k >= dim is the identity: the MaxK conv equals the stock conv on x.
@@ -114,6 +98,7 @@ def test_contract_wide_features_and_identity_k(kind):
 
 
 @pytest.mark.parametrize("kind", ["sage", "gcn", "gin"])
+@pytest.mark.slow
 def test_gradcheck_float64(kind):
     ei = random_edge_index(8, 8, 20, seed=10)
     torch.manual_seed(0)
@@ -132,7 +117,9 @@ def test_state_dict_loads_both_ways(kind):
 
 
 def test_aliases_swap_with_one_import():
-    from pyg_maxk.nn import GCNConv as G, GINConv as I, SAGEConv as S
+    from pyg_maxk.nn import GCNConv as G
+    from pyg_maxk.nn import GINConv as I
+    from pyg_maxk.nn import SAGEConv as S
 
     assert S is MaxKSAGEConv and G is MaxKGCNConv and I is MaxKGINConv
     conv = S(F_IN, F_OUT)  # stock arguments only: k defaults to 32
@@ -159,22 +146,22 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="2-D"):
         conv(torch.randn(F_IN), ei)
     with pytest.raises(ValueError, match="integer"):
-        conv(_x(), ei.float())
+        conv(random_features(), ei.float())
     with pytest.raises(ValueError, match="expects"):
-        conv(_x(), ei, (N + 1, N))
+        conv(random_features(), ei, (N + 1, N))
     with pytest.raises(ValueError, match="expects"):
-        conv((_x(N), _x(N - 3)), ei, (N, N))
+        conv((random_features(N), random_features(N - 3)), ei, (N, N))
     with pytest.raises(IndexError):
-        conv(_x(N - 5), ei)
-    meta = _x().to("meta")
+        conv(random_features(N - 5), ei)
+    meta = random_features().to("meta")
     with pytest.raises(ValueError, match="device"):
         conv(meta, ei)
     gcn = MaxKGCNConv(F_IN, F_OUT, k=K)
     with pytest.raises(ValueError, match="tuple"):
-        gcn((_x(), _x()), ei)
+        gcn((random_features(), random_features()), ei)
     with pytest.raises(ValueError, match="edge mask has"):
         set_masks(gcn, torch.rand(ei.size(1) + 1), ei)
-        gcn(_x(), ei)
+        gcn(random_features(), ei)
 
 
 def test_graph_built_once_across_layers_and_epochs(monkeypatch):
@@ -184,7 +171,7 @@ def test_graph_built_once_across_layers_and_epochs(monkeypatch):
     monkeypatch.setattr(graph_module, "_build", lambda *a: builds.append(1) or build(*a))
     ei = random_edge_index(N, N, 30)
     convs = [MaxKSAGEConv(F_IN, F_IN, k=K) for _ in range(3)]
-    x = _x()
+    x = random_features()
     for _ in range(2):
         h = x
         for conv in convs:
@@ -201,7 +188,7 @@ def test_dropout_on_kept_values_only():
     stock = SAGEConv(F_IN, F_OUT, root_weight=False, bias=False)
     stock.load_state_dict(conv.state_dict())
     ei = random_edge_index(N, N, 30)
-    x = _x()
+    x = random_features()
     conv.eval()
     torch.testing.assert_close(conv(x, ei), stock(dense_maxk(x, K), ei))  # no dropout in eval
     conv.train()
@@ -235,7 +222,7 @@ def test_models_train_and_stock_baseline(model_name):
         losses = []
         for _ in range(30):
             opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(model(_x(), ei), y)
+            loss = torch.nn.functional.cross_entropy(model(random_features(), ei), y)
             loss.backward()
             opt.step()
             losses.append(loss.item())
@@ -247,11 +234,11 @@ def test_models_train_and_stock_baseline(model_name):
 def test_lazy_in_channels(kind):
     conv = (MaxKSAGEConv if kind == "sage" else MaxKGCNConv)(-1, F_OUT, k=K)
     ei = random_edge_index(N, N, 30)
-    first = conv(_x(), ei)  # sizes the weights (the unfused path)
+    first = conv(random_features(), ei)  # sizes the weights (the unfused path)
     assert first.shape == (N, F_OUT)
     # Later calls fuse the bias and the root term into the GEMM: same result.
-    torch.testing.assert_close(conv(_x(), ei), first)
-    assert_same_as_stock(conv, make_pair(kind)[1], _x(), (ei,), K)
+    torch.testing.assert_close(conv(random_features(), ei), first)
+    assert_same_as_stock(conv, make_pair(kind)[1], random_features(), (ei,), K)
 
 
 def test_models_ignore_edge_weights_where_their_stock_model_does():
@@ -263,7 +250,7 @@ def test_models_ignore_edge_weights_where_their_stock_model_does():
         torch.manual_seed(0)
         model = cls(F_IN, 16, 2, 3, k=K)
         pyg_maxk.clear_graph_cache()
-        weighted, plain = model(_x(), ei, weight), model(_x(), ei)
+        weighted, plain = model(random_features(), ei, weight), model(random_features(), ei)
         assert torch.allclose(weighted, plain) != uses_weights, cls.__name__
 
 
@@ -274,10 +261,10 @@ def test_half_precision_output_type_is_stocks(kind, form):
     # (GCN's float32 normalisation promotes its sum to float32; a mean or an
     # unweighted sum stays bf16), and the values agree to bf16 precision.
     ei = random_edge_index(N, N, 50, seed=3)
-    adj = adjacency(form, ei, (N, N), _weights(50) if form == "csr" else None)
+    adj = adjacency(form, ei, (N, N), random_weights(50) if form == "csr" else None)
     ours, stock = make_pair(kind)
     ours.load_state_dict(stock.state_dict())
-    x = _x(dtype=torch.bfloat16)
+    x = random_features(dtype=torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = ours(x, adj)
         try:

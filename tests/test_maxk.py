@@ -2,10 +2,9 @@ import pytest
 import torch
 
 import pyg_maxk
+from helpers import assert_same_selection
 from pyg_maxk import CBSR, index_dtype_for
 from pyg_maxk.nn import MaxK
-
-from helpers import assert_same_selection
 
 
 def test_maxk_matches_topk_and_cbsr_layout():

@@ -9,78 +9,44 @@ import pytest
 import torch
 
 import pyg_maxk
+from helpers import (
+    DEVICE,
+    FORMS,
+    HALF,
+    HALF_UNIT,
+    ON_GPU,
+    adjacency,
+    assert_same_as_stock,
+    assert_same_selection,
+    assert_ties_keep_lowest_columns,
+    check_cbsr_linear,
+    check_half_kernels,
+    check_half_reductions,
+    check_kernels,
+    dense_reference,
+    every_k_case,
+    few_valued_rows,
+    kernel_maxk,
+    make_pair,
+    poison_allocator,
+    random_cbsr,
+    random_edge_index,
+    reference_spgemm,
+    split_items,
+)
 from pyg_maxk import CBSR, CSRGraph
 from pyg_maxk.kernels import cuda_module, geometry
 from pyg_maxk.ops import numba_ops
 
-from helpers import (FORMS, adjacency, assert_same_as_stock, assert_same_selection,
-                     assert_ties_keep_lowest_columns, dense_reference, few_valued_rows,
-                     random_edge_index)
-from test_layers import make_pair
-
-ON_GPU = torch.cuda.is_available()
-DEVICE = "cuda" if ON_GPU else "cpu"
 pytestmark = pytest.mark.sim if not ON_GPU else []
-
-
-def poison_allocator(nbytes: int = 1 << 26) -> None:
-    """Fill memory the CUDA caching allocator will hand out next with NaN,
-    so that outputs a kernel fails to write show up."""
-    if ON_GPU:
-        junk = torch.full((nbytes // 4,), float("nan"), device=DEVICE)
-        del junk
-
-
-def random_cbsr(num_rows, dim, k, seed=0, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(num_rows, dim, generator=g)
-    values, idx = x.topk(k, dim=1)
-    return CBSR(values.to(DEVICE, dtype), idx.to(DEVICE, pyg_maxk.index_dtype_for(dim)), dim)
-
-
-def split_items(graph: CSRGraph, k: int) -> torch.Tensor:
-    """The split marks of the work items the kernels run at ``k`` (nonzero
-    for an item of a split row)."""
-    from pyg_maxk.graph import unpack
-    return unpack(*graph.operands(k)).item_split
-
-
-def kernel_maxk(x: torch.Tensor, k: int) -> CBSR:
-    """MaxK through the select kernel itself (its custom op, differentiable)."""
-    from pyg_maxk.ops import _library
-    values, indices = _library.maxk_select(x, k, "numba")
-    return CBSR(values, indices, x.size(1))
-
-
-def reference_spgemm(graph: CSRGraph, h: CBSR) -> torch.Tensor:
-    """``A @ dense(h)`` in float64."""
-    return torch.sparse.mm(graph.torch_csr(torch.float64), dense_reference(h).double())
-
-
-def reference_sspmm(graph: CSRGraph, h: CBSR, grad_out: torch.Tensor) -> torch.Tensor:
-    """``(A^T @ grad_out)`` sampled at the CBSR pattern, in float64."""
-    a_t = graph.torch_csr(torch.float64).t().to_sparse_csr()
-    return torch.sparse.mm(a_t, grad_out.double()).gather(1, h.long_indices())
-
-
-def check_kernels(graph, dim, k, seed=0, rtol=1e-5, atol=1e-5, h=None):
-    h = random_cbsr(graph.num_src, dim, k, seed) if h is None else h
-    values = h.values.clone().requires_grad_()
-    poison_allocator()
-    with pyg_maxk.use_backend("numba"):
-        out = pyg_maxk.aggregate(graph, h.with_values(values))
-    ref = reference_spgemm(graph, h)
-    torch.testing.assert_close(out.double(), ref, rtol=rtol, atol=atol)
-    grad_out = torch.randn(graph.num_dst, dim).to(DEVICE)
-    poison_allocator()
-    out.backward(grad_out)
-    torch.testing.assert_close(values.grad.double(), reference_sspmm(graph, h, grad_out),
-                               rtol=rtol, atol=atol)
-    return out, values.grad
+#: The simulator cases the fast tier runs (conftest.py): each kernel family
+#: at the ``k`` that picks each of its code paths, one layer contract per conv.
+smoke = pytest.mark.smoke
 
 
 @pytest.mark.parametrize("normalization,weighted", [
-    ("sum", False), ("sum", True), ("mean", False), ("mean", True), ("gcn", True)])
+    ("sum", False), ("sum", True), pytest.param("mean", False, marks=smoke), ("mean", True),
+    ("gcn", True)])
 def test_spgemm_and_sspmm_against_float64(normalization, weighted):
     # Kernels read edge values ("sum"/"mean" with edge weights, "gcn"), none
     # ("sum"), or one scale per row ("mean" without edge weights).
@@ -101,7 +67,7 @@ def test_heavy_rows_split_across_items(monkeypatch):
     check_kernels(graph, dim=20, k=4)
 
 
-@pytest.mark.parametrize("dim,k", [(24, 1), (80, 33), (70, 64)])
+@pytest.mark.parametrize("dim,k", [(24, 1), (80, 33), pytest.param(70, 64, marks=smoke)])
 def test_one_lane_groups_and_slots_beyond_a_warp(dim, k):
     # k=1: 32 neighbours side by side per warp; k > 32: a lane owns several slots.
     ei = random_edge_index(40, 30, 400, seed=3).to(DEVICE)
@@ -112,8 +78,8 @@ def test_one_lane_groups_and_slots_beyond_a_warp(dim, k):
 @pytest.mark.parametrize("k", [5, 12, 32, 64])
 def test_every_loads_in_flight_setting(k):
     # The forward issues 4 (k=5, 64, and k=32 with 4 slots per load) or 8
-    # (k=12) neighbours' loads per lane at a time, over staged rounds of 128 neighbours (k <= 32) or 32
-    # (k=64). A row of 300 edges spans several rounds, its last ending
+    # (k=12) neighbours' loads per lane at a time, over staged rounds of 128
+    # neighbours (k <= 32) or 32 (k=64). A row of 300 edges spans several rounds, its last ending
     # part-way through a step, and at k >= 32 several work items.
     from pyg_maxk.kernels.spgemm import spgemm_unroll, spgemm_vector_width, staged_round
     width = spgemm_vector_width(k)
@@ -128,7 +94,7 @@ def test_every_loads_in_flight_setting(k):
 
 
 @pytest.mark.parametrize("dim,k,widths", [
-    (40, 8, (1, 2)), (80, 16, (2, 4)), (80, 32, (4, 4)), (300, 18, (2, 2)),
+    (40, 8, (1, 2)), (80, 16, (2, 4)), pytest.param(80, 32, (4, 4), marks=smoke), (300, 18, (2, 2)),
     (300, 32, (4, 4)), (96, 64, (4, 4))])
 def test_vector_loads_and_atomics(dim, k, widths):
     # A lane reads 2 or 4 CBSR slots per load (and adds to them with one
@@ -164,7 +130,8 @@ def test_misaligned_cbsr_falls_back_to_single_slot_loads():
                   h=CBSR(values, indices, 80))
 
 
-@pytest.mark.parametrize("dim,k", [(80, 1), (80, 5), (80, 16), (300, 8), (80, 17)])
+@pytest.mark.parametrize("dim,k", [(80, 1), pytest.param(80, 5, marks=smoke), (80, 16), (300, 8),
+                                   (80, 17)])
 def test_value_index_pairs(monkeypatch, dim, k):
     # On large graphs the forward reads the CBSR as (value, index) pairs up
     # to k=16: uint8 and int16 indices, one or two slots per load, rows
@@ -184,41 +151,6 @@ def test_value_index_pairs(monkeypatch, dim, k):
         check_kernels(graph, dim=dim, k=k, h=h)
 
 
-def assert_norm_close(actual: torch.Tensor, expected: torch.Tensor, tol: float = 1e-5):
-    """``|actual - expected| <= tol * |expected|`` in the 2-norm: float32 sums
-    of many terms (a GEMM over 150,000 rows) miss a float64 reference by more
-    than an elementwise tolerance on their smallest entries."""
-    err = float((actual.double() - expected.double()).norm() / expected.double().norm())
-    assert err <= tol, f"relative error {err:.3g} > {tol:g}"
-
-
-def check_cbsr_linear(h: CBSR, out_features: int, bias: bool, seed: int = 0,
-                      expect_kernel: bool = True, forward_tol: float = 1e-5):
-    """``pyg_maxk.ops.cbsr_linear`` against a float64 dense linear, forward
-    (elementwise within ``forward_tol``, and norm-relative) and backward
-    (cuBLAS's GEMMs: norm-relative), and whether its forward ran the CBSR
-    linear kernel (wherever it fits when the caller forces ``linear_pays``)."""
-    g = torch.Generator().manual_seed(seed)
-    weight = torch.randn(out_features, h.dim, generator=g).to(DEVICE, h.dtype).requires_grad_()
-    b = (torch.randn(out_features, generator=g).to(DEVICE, h.dtype).requires_grad_()
-         if bias else None)
-    values = h.values.clone().requires_grad_()
-    hv = h.with_values(values)
-    with pyg_maxk.use_backend("numba"):
-        assert (pyg_maxk.ops.linear_backend(hv, weight, b) == "numba") == expect_kernel
-        poison_allocator()
-        out = pyg_maxk.ops.cbsr_linear(hv, weight, b)
-    dense = dense_reference(h).double()
-    ref = torch.nn.functional.linear(dense, weight.double(), None if b is None else b.double())
-    torch.testing.assert_close(out.double(), ref, rtol=forward_tol, atol=forward_tol)
-    assert_norm_close(out, ref)
-    grad = torch.randn(out.shape, generator=g).to(DEVICE, h.dtype)
-    out.backward(grad)
-    ref_values = (grad.double() @ weight.double()).gather(1, h.long_indices())
-    assert_norm_close(values.grad, ref_values)
-    assert_norm_close(weight.grad, grad.double().t() @ dense)
-
-
 @pytest.fixture
 def linear_kernel_everywhere(monkeypatch):
     """The CBSR linear kernel wherever it fits, also where densify + GEMM is
@@ -231,7 +163,7 @@ def linear_kernel_everywhere(monkeypatch):
 
 
 @pytest.mark.parametrize("rows,dim,k,out_features,bias", [
-    (13, 40, 5, 7, True), (9, 40, 1, 40, False), (6, 70, 32, 33, True),
+    pytest.param(13, 40, 5, 7, True, marks=smoke), (9, 40, 1, 40, False), (6, 70, 32, 33, True),
     (11, 300, 9, 16, True), (5, 24, 23, 64, False), (4, 150, 140, 20, True)])
 def test_cbsr_linear_kernel_against_float64(linear_kernel_everywhere, rows, dim, k,
                                             out_features, bias):
@@ -308,7 +240,7 @@ def test_bipartite_empty_and_wide():
     check_kernels(empty, dim=16, k=3)
 
 
-@pytest.mark.parametrize("dim,k", [(40, 1), (40, 9), (40, 39), (300, 12)])
+@pytest.mark.parametrize("dim,k", [(40, 1), pytest.param(40, 9, marks=smoke), (40, 39), (300, 12)])
 def test_maxk_select_matches_topk(dim, k):
     x = torch.randn(13, dim).to(DEVICE).requires_grad_()
     poison_allocator()
@@ -358,7 +290,8 @@ def test_maxk_select_matches_topk_at_k32(dim, dtype):
 @pytest.mark.parametrize("num_rows,dim,k,dtype", [
     (13, 40, 1, torch.float32), (13, 40, 39, torch.float32), (9, 300, 12, torch.float32),
     (7, 80, 70, torch.float32), (5, 300, 200, torch.float32), (0, 16, 3, torch.float32),
-    (13, 40, 7, torch.bfloat16), (9, 301, 12, torch.bfloat16), (5, 300, 200, torch.float16)])
+    pytest.param(13, 40, 7, torch.bfloat16, marks=smoke), (9, 301, 12, torch.bfloat16),
+    (5, 300, 200, torch.float16)])
 def test_to_dense_kernel_writes_whole_rows(num_rows, dim, k, dtype):
     # The output is never zero-filled: poison shows any entry left unwritten.
     # More rows than warps (each warp loads its next row ahead), and k=200:
@@ -388,8 +321,14 @@ def test_to_dense_too_wide_for_the_kernel_raises_when_forced():
     torch.testing.assert_close(h.to_dense(), dense_reference(h), rtol=0, atol=0)  # auto
 
 
-@pytest.mark.parametrize("form", [f for f in FORMS if f != "SparseTensor" or not ON_GPU])
-@pytest.mark.parametrize("kind", ["sage", "gcn", "gin"])
+def _contract_case(kind, form):
+    smoke_forms = {"sage": "edge_index", "gcn": "csr", "gin": "coo"}
+    return pytest.param(kind, form, marks=smoke if smoke_forms[kind] == form else ())
+
+
+@pytest.mark.parametrize("kind,form", [_contract_case(kind, form)
+                                       for kind in ("sage", "gcn", "gin") for form in FORMS
+                                       if form != "SparseTensor" or not ON_GPU])
 def test_layer_contract_numba(linear_kernel_everywhere, kind, form):
     # Every adjacency form (SparseTensor on the CPU only: torch_sparse's CUDA
     # ops may be missing; tests/test_gpu.py covers it where they exist).
@@ -406,75 +345,14 @@ def test_layer_contract_numba(linear_kernel_everywhere, kind, form):
     assert_same_as_stock(ours.to(DEVICE), stock.to(DEVICE), x, (adj,), 5, backend="numba")
 
 
-HALF = [torch.float16, torch.bfloat16]
-#: Unit roundoff of each half type: a float32 sum rounded once to it is
-#: within this relative error of the exact sum (float32's own error is far
-#: smaller).
-HALF_UNIT = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
-
-
-def check_half_kernels(graph, dim, k, dtype, seed=0, h=None):
-    """The kernels on half-precision CBSR values and output gradients against
-    float64 references of the same (half) inputs, every output written over
-    poisoned memory: the aggregation (in ``aggregation_dtype``: float32 when
-    float32 edge values weight the sum) and the values' gradient within one
-    rounding of a float32 sum, the backward kernel also on a half gradient,
-    the edge values' gradient (float32) within float32 error, densify bit
-    for bit."""
-    from pyg_maxk.graph import unpack
-    from pyg_maxk.ops import _library as lib, aggregation_dtype, dtype_of, torch_ops
-
-    h = random_cbsr(graph.num_src, dim, k, seed, dtype) if h is None else h
-    unit = HALF_UNIT[dtype]
-    values = h.values.clone().requires_grad_()
-    poison_allocator()
-    with pyg_maxk.use_backend("numba"):
-        out = pyg_maxk.aggregate(graph, h.with_values(values))
-        poison_allocator()
-        dense = h.to_dense()
-    assert out.dtype == aggregation_dtype(dtype, dtype_of(graph.weight), dtype_of(graph.row_scale))
-    assert dense.dtype == dtype
-    out_tol = unit if out.dtype == dtype else 1e-5
-    torch.testing.assert_close(out.double(), reference_spgemm(graph, h), rtol=out_tol,
-                               atol=1e-5)
-    torch.testing.assert_close(dense, dense_reference(h), rtol=0, atol=0)
-    g = torch.Generator().manual_seed(seed + 1)
-    grad_out = torch.randn(graph.num_dst, dim, generator=g).to(DEVICE, dtype)
-    poison_allocator()
-    with pyg_maxk.use_backend("numba"):
-        out.backward(grad_out.to(out.dtype))
-    assert values.grad.dtype == dtype
-    ref_grad = reference_sspmm(graph, h, grad_out)
-    torch.testing.assert_close(values.grad.double(), ref_grad, rtol=unit, atol=1e-5)
-    operands = graph.operands(k)
-    poison_allocator()
-    grad_values = lib.sspmm(*operands, h.indices, grad_out, graph.num_src, "numba")
-    assert grad_values.dtype == dtype
-    torch.testing.assert_close(grad_values.double(), ref_grad, rtol=unit, atol=1e-5)
-    poison_allocator()
-    grad_weight = lib.sddmm(*operands, h.values, h.indices, grad_out, "numba")
-    assert grad_weight.dtype == torch.float32
-    ref = torch_ops.sddmm(unpack(*operands), h.values.double(), h.indices,
-                          grad_out.double())
-    torch.testing.assert_close(grad_weight.double(), ref, rtol=1e-5, atol=2e-4)
-
-
 @pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("normalization,weighted", [("mean", False), ("sum", True)])
+@pytest.mark.parametrize("normalization,weighted", [pytest.param("mean", False, marks=smoke),
+                                                    ("sum", True)])
 def test_half_precision_kernels_against_float64(dtype, normalization, weighted):
     ei = random_edge_index(30, 30, 200, seed=9).to(DEVICE)
     w = (torch.rand(200) + 0.1).to(DEVICE) if weighted else None
     graph = CSRGraph.from_adj(ei, (30, 30), edge_weight=w, normalization=normalization)
     check_half_kernels(graph, dim=40, k=6, dtype=dtype, seed=9)
-
-
-def every_k_case(k: int):
-    """``(dtype, normalization, forced pairs)`` of the every-k sweeps: the
-    three vary with ``k`` independently, so that every code path meets both
-    half types, a row scale and float32 edge values."""
-    dtype = torch.bfloat16 if k % 2 == 0 else torch.float16
-    normalization = "mean" if (k // 2) % 2 == 0 else "sum"
-    return dtype, normalization, k % 3 == 0
 
 
 @pytest.mark.parametrize("k", range(1, 64))
@@ -512,38 +390,9 @@ def test_half_precision_vector_loads(dim, k, dtype):
     check_half_kernels(CSRGraph.from_adj(ei, (35, 20), edge_weight=w), dim, k, dtype, h=h)
 
 
-def check_half_reductions(monkeypatch, graph, dim, k, dtype, seed=0):
-    """The values' gradient with packed half reductions
-    (:func:`pyg_maxk.allow_half_reductions`) against a float64 reference of
-    the same half inputs, written over poisoned memory: every entry within
-    the bound of a sum of ``d`` terms rounded to the half type after every
-    addition, ``(d + 1) * u * sum|terms|`` (``d``: the source's out-degree;
-    one more rounding for the term itself), so a lost or doubled term, a
-    wrong slot or column fails. Also checks that the packed kernel ran."""
-    from pyg_maxk.ops import _library as lib
-    h = random_cbsr(graph.num_src, dim, k, seed, dtype)
-    g = torch.Generator().manual_seed(seed + 1)
-    grad_out = torch.randn(graph.num_dst, dim, generator=g).to(DEVICE, dtype)
-    compiled = []
-    kernel = numba_ops.sspmm_kernel
-    monkeypatch.setattr(numba_ops, "sspmm_kernel",
-                        lambda *a: compiled.append(a[-1]) or kernel(*a))
-    monkeypatch.setattr(pyg_maxk.dispatch, "_half_reductions", True)
-    poison_allocator()
-    grad_values = lib.sspmm(*graph.operands(k), h.indices, grad_out, graph.num_src, "numba")
-    assert compiled == [True] and grad_values.dtype == dtype
-    a_t = graph.torch_csr(torch.float64).t().to_sparse_csr()
-    exact = torch.sparse.mm(a_t, grad_out.double()).gather(1, h.long_indices())
-    magnitude = torch.sparse.mm(a_t.abs(), grad_out.double().abs()).gather(1, h.long_indices())
-    out_degree = torch.bincount(graph.col.long(), minlength=graph.num_src).double()
-    bound = (out_degree[:, None] + 1) * HALF_UNIT[dtype] * magnitude * 1.01 + 1e-30
-    error = (grad_values.double() - exact).abs()
-    assert bool((error <= bound).all()), float((error / bound).max())
-    assert float(magnitude.sum()) > 0
-
-
 @pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("dim,k,normalization", [(40, 8, "mean"), (80, 16, "sum"),
+@pytest.mark.parametrize("dim,k,normalization", [pytest.param(40, 8, "mean", marks=smoke),
+                                                 (80, 16, "sum"),
                                                  (80, 32, "gcn"), (300, 24, "mean"),
                                                  (300, 64, "sum")])
 def test_half_reductions_against_float64(monkeypatch, dim, k, normalization, dtype):
@@ -569,8 +418,9 @@ def test_half_reductions_only_where_they_apply(monkeypatch, k, dtype, reason):
     # ever.
     monkeypatch.setattr(pyg_maxk.dispatch, "_half_reductions", True)
     half_grad = torch.zeros(4, 8, dtype=torch.float16, device=DEVICE)
+    indices = torch.zeros(5, k, dtype=torch.uint8, device=DEVICE)
     assert not numba_ops._reduces_in_half(torch.zeros(4, 8, dtype=dtype, device=DEVICE),
-                                          torch.zeros(5, k, dtype=torch.uint8, device=DEVICE)), reason
+                                          indices), reason
     buffer = torch.zeros(5 * 16 + 1, dtype=torch.uint8, device=DEVICE)
     assert numba_ops._reduces_in_half(half_grad, buffer[:80].view(5, 16))
     assert not numba_ops._reduces_in_half(half_grad, buffer[1:].view(5, 16))  # misaligned

@@ -9,10 +9,9 @@ import pytest
 import torch
 
 import pyg_maxk
+from helpers import random_edge_index
 from pyg_maxk import CSRGraph
 from pyg_maxk.ops import _library as lib
-
-from helpers import random_edge_index
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -158,7 +157,8 @@ def test_the_requested_backend_travels_with_the_backward():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dim, k", [(20, 4), (64, 8), (64, 32), (64, 40), (256, 160)])
+@pytest.mark.parametrize("dim, k", [pytest.param(20, 4, marks=pytest.mark.smoke), (64, 8),
+                                    (64, 32), (64, 40), (256, 160)])
 def test_edge_value_gradient_against_float64(backend, dim, k, monkeypatch):
     """The SDDMM (the aggregation's gradient w.r.t. its edge values) against a
     float64 dense reference, on rows split across work items, a bipartite

@@ -62,6 +62,7 @@ def losses(output: str, label: str):
                                          output)]
 
 
+@pytest.mark.slow
 def test_neighbor_loader_training_from_the_cli():
     r = run_cli("pyg_maxk", "train", "--loader", "neighbor", "--fanout", "10,5",
                 "--batch-size", "256", "--epochs", "4", "--log-every", "1", "--compare",
@@ -74,6 +75,7 @@ def test_neighbor_loader_training_from_the_cli():
     assert r.stdout.strip().splitlines()[-1].startswith("summary: MaxK k=16")
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_gloo(tmp_path):
     save = tmp_path / "model.pt"
     r = run_cli("torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
