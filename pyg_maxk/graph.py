@@ -49,6 +49,17 @@ def _is_torch_sparse(adj: Any) -> bool:
         torch.sparse_coo, torch.sparse_csr, torch.sparse_csc)
 
 
+def _as_sparse_csr(adj: Tensor) -> Tensor:
+    """A ``torch.sparse`` COO/CSC/CSR adjacency as CSR. The conversion is the
+    package's own, so torch's "sparse CSR support is in beta" warning would
+    tell the user nothing."""
+    if adj.layout == torch.sparse_csr:
+        return adj
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return adj.to_sparse_csr()
+
+
 def _is_edge_index_type(adj: Any) -> bool:
     try:
         from torch_geometric import EdgeIndex
@@ -690,7 +701,7 @@ def _build(adj: Any, size, edge_weight, normalization, use_sparse_tensor_values,
             from torch_geometric.nn.conv.gcn_conv import gcn_norm
             adj, _ = gcn_norm(adj, None, sizes[0], gcn_improved, gcn_add_self_loops,
                               "source_to_target", dtype)
-        csr = adj if adj.layout == torch.sparse_csr else adj.to_sparse_csr()
+        csr = _as_sparse_csr(adj)
         return CSRGraph.from_csr(csr.crow_indices(), csr.col_indices(), csr.values(),
                                  sizes, normalization, dtype)
 
@@ -902,7 +913,7 @@ def _sparse_graph_with_values(adj: Any, normalization: str, gcn_improved: bool,
     if _is_sparse_tensor(adj):
         rowptr, col, values = adj.csr()
     else:
-        csr = adj if adj.layout == torch.sparse_csr else adj.to_sparse_csr()
+        csr = _as_sparse_csr(adj)
         rowptr, col, values = csr.crow_indices(), csr.col_indices(), csr.values()
     # The normalised tensor is new on every call: its structure is looked up
     # by shape and checked equal (one pass over the indices), never assumed.

@@ -4,6 +4,8 @@ Power-law graphs with a 50,000-neighbour row, dims 64 to 512, k from 1 to
 dim, poisoned outputs, run-to-run agreement, half precision, and the layer
 contract on every adjacency form.
 """
+import warnings
+
 import pytest
 import torch
 
@@ -451,3 +453,20 @@ def test_a_new_process_loads_the_compiled_kernels(tmp_path):
     # float atomics add in no fixed order: rounding apart).
     for a, b in zip(cold["sums"], warm["sums"]):
         assert a == pytest.approx(b, rel=1e-4)
+
+
+def test_small_graphs_give_no_occupancy_warnings():
+    # Numba warns of grids smaller than the GPU on each launch it makes (a
+    # kernel's first launch through a new launcher); a small graph's grids
+    # are small by nature, so the package keeps that warning from the user.
+    from pyg_maxk.ops import _launch
+    _launch.launcher.cache_clear()
+    ei = random_edge_index(14, 14, 50, seed=3).cuda()
+    ours, _ = make_pair("sage")
+    ours = ours.cuda()
+    x = torch.randn(14, 24, device="cuda", requires_grad=True)
+    with warnings.catch_warnings(), pyg_maxk.use_backend("numba"):
+        warnings.simplefilter("error")
+        ours(x, ei).sum().backward()
+    assert x.grad is not None
+

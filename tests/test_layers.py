@@ -1,6 +1,8 @@
 """The layer contract: MaxKXConv(args, k=k)(x, adj) == XConv(args)(maxk(x), adj),
 forward and gradients, for every adjacency form and edge case."""
 
+import warnings
+
 import pytest
 import torch
 from torch_geometric.explain.algorithm.utils import set_masks
@@ -274,3 +276,18 @@ def test_half_precision_output_type_is_stocks(kind, form):
     assert out.dtype == ref.dtype
     err = float((out.double() - ref.double()).norm() / ref.double().norm())
     assert err < 2e-2, err
+
+
+@pytest.mark.parametrize("form", ["coo", "csc", "csr"])
+@pytest.mark.parametrize("kind", ["sage", "gin"])
+def test_the_package_raises_no_warnings_of_its_own(kind, form):
+    # torch's "sparse CSR support is in beta" comes from the package's own
+    # conversions, not from anything the user wrote.
+    ei = random_edge_index(N, N, 50, seed=3)
+    adj = adjacency(form, ei, (N, N), random_weights(ei.size(1)))
+    ours, _ = make_pair(kind)
+    x = random_features().requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ours(x, adj).sum().backward()
+    assert x.grad is not None

@@ -24,6 +24,7 @@ import ctypes
 import functools
 import struct
 import threading
+import warnings
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -181,7 +182,7 @@ class Launcher:
             with self._on(index):
                 self._driver(packed, blocks, threads, index, fields)
             return
-        with self._on(index), self._numba_device(index):
+        with self._on(index), self._numba_device(index), _no_occupancy_warnings():
             arrays = [self._array(a) if isinstance(a, Tensor) else a for a in args]
             kernel[blocks, threads, self._stream(device)](*arrays)
             if self._driver is not None:
@@ -216,6 +217,17 @@ class Launcher:
         if not self._multi_gpu:
             return contextlib.nullcontext()
         return self.cuda.gpus[index]
+
+
+@contextlib.contextmanager
+def _no_occupancy_warnings():
+    """Numba warns when a grid has fewer blocks than a large GPU has SMs; the
+    kernels size their grids to the work, so on a small graph that warning
+    would reach the user with nothing to act on. (Matched by its text: its
+    class moved between numba and numba-cuda.)"""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*will likely result in GPU under-utilization")
+        yield
 
 
 def device_index(device: torch.device) -> int:
