@@ -49,6 +49,14 @@ def _is_torch_sparse(adj: Any) -> bool:
         torch.sparse_coo, torch.sparse_csr, torch.sparse_csc)
 
 
+def _nonzero(mask: Tensor, count: int) -> Tensor:
+    """``mask.nonzero().view(-1)`` when ``count`` is known: no host sync
+    where torch has ``nonzero_static``."""
+    if hasattr(torch, "nonzero_static"):
+        return torch.nonzero_static(mask, size=count).view(-1)
+    return torch.nonzero(mask).view(-1)
+
+
 def _as_sparse_csr(adj: Tensor) -> Tensor:
     """A ``torch.sparse`` COO/CSC/CSR adjacency as CSR. The conversion is the
     package's own, so torch's "sparse CSR support is in beta" warning would
@@ -392,12 +400,14 @@ class CSRGraph:
         deg = rowptr[1:] - rowptr[:-1]
         pieces = (deg + (max_edges - 1)) // max_edges
         rows = torch.arange(self.num_dst, device=self.device)
-        item_row = torch.repeat_interleave(rows, pieces)
+        # The schedule's two data-dependent sizes in one host sync.
+        num_items, num_zeroed = torch.stack([pieces.sum(), (pieces != 1).sum()]).tolist()
+        item_row = torch.repeat_interleave(rows, pieces, output_size=num_items)
         first_item = torch.cumsum(pieces, 0) - pieces
         piece = torch.arange(item_row.numel(), device=self.device) - first_item[item_row]
         start = rowptr[item_row] + piece * max_edges
         end = torch.minimum(start + max_edges, rowptr[item_row + 1])
-        zeroed_rows = torch.nonzero(pieces != 1).view(-1)
+        zeroed_rows = _nonzero(pieces != 1, num_zeroed)
         position = torch.zeros(self.num_dst, dtype=torch.int32, device=self.device)
         position[zeroed_rows] = torch.arange(1, zeroed_rows.numel() + 1, dtype=torch.int32,
                                              device=self.device)
@@ -571,10 +581,11 @@ class CSRGraph:
         if not is_sorted:
             dst, perm = torch.sort(dst, stable=True)
             src = src[perm]
-        counts = torch.bincount(dst, minlength=num_dst) if dst.numel() else \
-            torch.zeros(num_dst, dtype=torch.long, device=dst.device)
-        rowptr = torch.zeros(num_dst + 1, dtype=torch.long, device=dst.device)
-        torch.cumsum(counts, 0, out=rowptr[1:])
+        # Row r starts at the first edge whose target is r or more: a binary
+        # search over the sorted targets, with no host sync (a CUDA bincount
+        # reads its input's range back to the host).
+        rowptr = torch.searchsorted(
+            dst, torch.arange(num_dst + 1, dtype=dst.dtype, device=dst.device))
         value = None
         if edge_weight is not None:
             value = edge_weight if perm is None else edge_weight[perm]

@@ -470,3 +470,28 @@ def test_small_graphs_give_no_occupancy_warnings():
         ours(x, ei).sum().backward()
     assert x.grad is not None
 
+
+def _host_syncs(fn) -> int:
+    """The synchronising CUDA calls ``fn`` makes."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchronizing" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("normalization", ["mean", "sum"])
+def test_a_new_graph_costs_at_most_two_host_syncs(normalization):
+    # What a conv builds for an edge_index it has not seen (a new graph per
+    # mini-batch): the CSR and the operands of one k. One sync for the
+    # edge_index's range check, one for the work schedule's two
+    # data-dependent sizes (items, zeroed rows); the CSR itself (a stable
+    # sort, a binary search for the row pointers) never syncs.
+    ei = random_edge_index(300, 300, 3000, seed=5).cuda()
+    CSRGraph.from_adj(ei, (300, 300), normalization=normalization, cache=False).prepare(4)
+    torch.cuda.synchronize()
+    assert _host_syncs(lambda: CSRGraph.from_adj(ei.clone(), (300, 300), cache=False,
+                                                 normalization=normalization).prepare(4)) <= 2
