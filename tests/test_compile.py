@@ -203,7 +203,7 @@ def test_a_graph_not_prepared_for_the_layers_k_breaks_the_graph_once():
     data = Data(edge_index=ei, num_nodes=N)
     adj = pyg_maxk.ToCSRGraph("mean", k=K + 1)(data).adj_t
     model = _model("sage")
-    with pytest.raises(Exception, match="_prepare"):
+    with pytest.raises(Exception, match=r"call graph\.prepare\(k\)"):
         torch.compile(model, backend="aot_eager", fullgraph=True)(x, adj)
     torch._dynamo.reset()
     assert torch._dynamo.explain(model)(x, adj).graph_break_count == 1
@@ -237,3 +237,10 @@ def test_torchscript_is_a_clear_error():
     for module in (MaxKSAGEConv(F_IN, HIDDEN, k=K), _model("gin")):
         with pytest.raises(RuntimeError, match="TorchScript.*torch.compile"):
             torch.jit.script(module)
+
+
+@pytest.mark.slow
+def test_fullgraph_on_a_raw_adjacency_says_how_to_prepare_it():
+    x, ei = _data()
+    with pytest.raises(Exception, match="ToCSRGraph"):
+        torch.compile(_model("sage"), backend="aot_eager", fullgraph=True)(x, ei)

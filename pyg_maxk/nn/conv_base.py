@@ -2,7 +2,9 @@
 cached graph lookup, and the MaxK sparsification of the input features."""
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple, Union
+import functools
+import inspect
+from typing import Any, Callable, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -39,7 +41,18 @@ def _kept(x: Features, k: int) -> Optional[int]:
     return k if k < x.size(1) else None
 
 
-@torch.compiler.disable
+def _outside_compiled_graph(reason: str) -> Callable:
+    """``torch.compiler.disable`` with the reason dynamo's error gives under
+    ``fullgraph=True`` (torch 2.7 and later take one)."""
+    if "reason" in inspect.signature(torch.compiler.disable).parameters:
+        return functools.partial(torch.compiler.disable, reason=reason)
+    return torch.compiler.disable
+
+
+@_outside_compiled_graph(
+    "pyg_maxk resolves a raw adjacency (edge_index, SparseTensor, torch.sparse) in its graph "
+    "cache outside the compiled graph: for fullgraph=True pass a prepared graph instead, "
+    "pyg_maxk.ToCSRGraph(normalization, k) or CSRGraph.from_adj(...).prepare(k)")
 def _cached_graph(adj: Any, sizes: Tuple[int, int], k: Optional[int], **kwargs) -> CSRGraph:
     # Cache lookups key on object identity and version counters, and a new
     # graph's build has data-dependent sizes: both run outside any compiled
@@ -74,7 +87,10 @@ def _graph_with_edge_values(adj, sizes, edge_weight, mask, normalization, gcn_im
                                   gcn_improved, gcn_add_self_loops, dtype, k, loop_mask)
 
 
-@torch.compiler.disable
+@_outside_compiled_graph(
+    "this CSRGraph is not prepared for the conv's k (its work schedule has data-dependent "
+    "sizes): for fullgraph=True call graph.prepare(k) for every k of the model, or use "
+    "pyg_maxk.ToCSRGraph(normalization, k), before compiling")
 def _prepare(graph: CSRGraph, k: int) -> CSRGraph:
     # A graph not prepared for this k: its schedule has data-dependent sizes.
     return graph.prepare(k)
