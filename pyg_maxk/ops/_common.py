@@ -1,7 +1,8 @@
 """Small helpers the backends' implementations share."""
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import ContextManager, Optional
 
 import torch
 from torch import Tensor
@@ -33,3 +34,12 @@ def as_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
     """``t.to(dtype)``, skipped when ``t`` has that type already: even a
     no-op ``to`` costs host time, and small graphs are host-bound."""
     return t if t.dtype == dtype else t.to(dtype)
+
+
+def autocast_disabled(device_type: str) -> ContextManager:
+    """``torch.autocast(device_type, enabled=False)`` where autocast is on, a
+    no-op context elsewhere: entering an autocast context costs host time on
+    every call, and small graphs are host-bound."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ..cbsr import index_dtype_for
 from ..graph import GraphOperands
-from ._common import aggregation_dtype, dtype_of, spgemm_dtype
+from ._common import aggregation_dtype, autocast_disabled, dtype_of, spgemm_dtype
 
 Densify = Callable[[Tensor, Tensor, int], Tensor]
 Gather = Callable[[Tensor, Tensor], Tensor]
@@ -68,7 +68,7 @@ def spmm(rowptr: Tensor, col: Tensor, weight: Optional[Tensor], dense: Tensor, n
     adj = csr_matrix(rowptr, col, weight, num_dst, num_src, dtype)
     if transpose:
         adj = adj.t()
-    with torch.autocast(dense.device.type, enabled=False):
+    with autocast_disabled(dense.device.type):
         return torch.sparse.mm(adj, dense.to(dtype)).to(out_dtype)
 
 
@@ -115,7 +115,7 @@ def sddmm(g: GraphOperands, values: Tensor, indices: Tensor, grad_out: Tensor) -
 def cbsr_linear(values: Tensor, indices: Tensor, dim: int, weight: Tensor,
                 bias: Optional[Tensor], densify: Densify = cbsr_to_dense) -> Tensor:
     """``F.linear(densify(h), weight, bias)``."""
-    with torch.autocast(values.device.type, enabled=False):
+    with autocast_disabled(values.device.type):
         return F.linear(densify(values, indices, dim), weight, bias)
 
 
@@ -126,7 +126,7 @@ def cbsr_linear_backward(grad_out: Tensor, values: Tensor, indices: Tensor, weig
     """``(grad_out @ W)`` at the CBSR pattern and ``grad_out^T @ dense(h)``
     (None where not needed), rebuilding ``dense(h)`` from the CBSR."""
     grad_values = grad_weight = None
-    with torch.autocast(grad_out.device.type, enabled=False):
+    with autocast_disabled(grad_out.device.type):
         if need_values:
             grad_values = gather(grad_out @ weight, indices)
         if need_weight:
