@@ -1,27 +1,46 @@
-"""Per-call host overhead of the MaxK ops, and kernel-only GPU times.
+"""Host overhead: per MaxK op, and per small-graph training step.
 
     python benchmarks/overhead.py            # the "numba" backend on a GPU
     python benchmarks/overhead.py --tiny     # the "cpu" backend (CI smoke run)
 
-On a tiny graph (1,000 nodes, 5,000 edges, dim 256, k=32) the device work is
-negligible, so the wall time per call is the Python + launch overhead (input
-checks, dispatch, the custom-op layer, the launch). On a GPU the profiler then
-separates kernel time from the rest on the Reddit-shaped graph. Every op is
-checked against the torch backend before it is timed. Writes
-``benchmarks/results/overhead[-tiny].json``.
+Ops: on a tiny graph (1,000 nodes, 5,000 edges, dim 256, k=32) the device
+work is negligible, so the wall time per call is the Python + launch
+overhead (input checks, dispatch, the custom-op layer, the launch). On a GPU
+the profiler then separates kernel time from the rest on the Reddit-shaped
+graph. Every op is checked against the torch backend before it is timed.
+
+Steps: one training step (input linear, two convs 256 wide, output linear,
+cross-entropy, Adam) of SAGE, GCN and GIN on a Cora-sized graph, MaxK k=32
+against the stock ReLU model, timed round-robin: on a fixed graph (stock in
+each form: ``edge_index`` and a ``torch.sparse`` CSR ``adj_t``; the fastest
+is named) and with a new ``edge_index`` tensor every step (as mini-batches
+give; stock on ``edge_index``). On a GPU also the host syncs
+(``torch.cuda.set_sync_debug_mode``, with the package's lines that sync) and
+kernel launches per step.
+
+Writes ``benchmarks/results/overhead[-tiny].json`` and ``.png``.
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import os
 import time
+import traceback
+import warnings
 from pathlib import Path
 
 import torch
-from common import RESULTS, environment, rel_error, write_json
+import torch.nn.functional as F
+from common import RESULTS, environment, paired_speedup, pyplot, rel_error, save, time_interleaved
+from train import adjacency
 
 import pyg_maxk
 from pyg_maxk import CSRGraph
-from pyg_maxk.app.datasets import PRESETS, power_law_edge_index
+from pyg_maxk.app.datasets import PRESETS, power_law_edge_index, preset_dataset
+from pyg_maxk.nn import MaxKGCN, MaxKGIN, MaxKGraphSAGE
+
+STEP_MODELS = {"sage": MaxKGraphSAGE, "gcn": MaxKGCN, "gin": MaxKGIN}
 
 
 def host_us(fn, device, n=200) -> float:
@@ -76,11 +95,121 @@ def main(argv=None):
     results["host_us_torch_sparse_spmm"] = host_us(
         lambda: torch.sparse.mm(g.torch_csr(torch.float32), x), dev)
     print({k: v for k, v in results.items() if k.startswith("host")}, flush=True)
+    results["steps"] = small_graph_steps(dev, backend, scale=0.2 if args.tiny else 1.0,
+                                         rounds=3 if args.tiny else 30)
     if not args.tiny:
         results.update(profile_reddit(dev))
     name = "overhead-tiny" if args.tiny else "overhead"
     payload = {"benchmark": "overhead", "environment": environment(dev), **results}
-    print(f"wrote {write_json(name, payload, Path(args.out))}")
+    save(name, payload, Path(args.out), lambda path, hw: plot_steps(payload["steps"], hw, path))
+
+
+def _train_step(model, x, adj_of, y):
+    """One step of ``model``; ``adj_of()`` gives the adjacency of each step."""
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x, adj_of()), y).backward()
+        opt.step()
+    return step
+
+
+def host_syncs(step) -> dict:
+    """The synchronising CUDA calls of one ``step``, by the package's lines
+    that make them (innermost first)."""
+    sites = collections.Counter()
+
+    def record(message, *args, **kwargs):
+        if "synchronizing" in str(message):
+            frames = [f for f in traceback.extract_stack()[:-1] if "pyg_maxk" in f.filename]
+            sites[" <- ".join(f"{os.path.basename(f.filename)}:{f.lineno}:{f.name}"
+                              for f in frames[::-1][:3]) or "(no pyg_maxk frame)"] += 1
+
+    shown = warnings.showwarning
+    warnings.showwarning = record
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                step()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+    finally:
+        warnings.showwarning = shown
+    return {"count": sum(sites.values()), "sites": dict(sites)}
+
+
+def kernel_launches(step) -> int:
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def small_graph_steps(dev, backend: str, scale: float, rounds: int) -> dict:
+    """MaxK against stock training steps on a Cora-sized graph (module docs)."""
+    data = preset_dataset("cora-like", scale=scale, seed=0).to(dev)
+    x, y, n = data.x, data.y, data.num_nodes
+    ei = data.edge_index[:, data.edge_index[1].argsort(stable=True)]
+    classes = int(data.num_classes)
+    stock_forms = {"edge_index": ei, "csr": adjacency("csr", ei, n)}
+    table = {}
+    for kind, cls in STEP_MODELS.items():
+        def model(k):
+            torch.manual_seed(0)
+            return cls(x.size(1), 256, 2, classes, k=k).to(dev)
+        for scenario in ("fixed graph", "new graph"):
+            new = scenario == "new graph"
+            steps = {"maxk k=32": _train_step(model(32), x, (lambda: ei.clone()) if new
+                                               else (lambda: ei), y)}
+            for form, adj in stock_forms.items():
+                if new and form != "edge_index":
+                    continue
+                steps[f"stock {form}"] = _train_step(
+                    model(None), x, (lambda: ei.clone()) if new else (lambda a=adj: a), y)
+            with pyg_maxk.use_backend(backend):
+                times = time_interleaved(steps, dev, rounds=rounds, per_round=5, warmup=5)
+                entry = {"times": times}
+                stock = {name: t["median_ms"] for name, t in times.items()
+                         if name.startswith("stock")}
+                fastest = min(stock, key=stock.get)
+                entry["fastest_stock"] = fastest[len("stock "):]
+                entry["speedup"] = paired_speedup(times[fastest], times["maxk k=32"])
+                if dev.type == "cuda":
+                    for name, step in steps.items():
+                        entry.setdefault("syncs", {})[name] = host_syncs(step)
+                        entry.setdefault("launches", {})[name] = kernel_launches(step)
+            table[f"{kind} {scenario}"] = entry
+            s = entry["speedup"]
+            print(f"{kind:4s} {scenario:11s}: MaxK {times['maxk k=32']['median_ms']:.3f} ms, "
+                  f"stock {entry['fastest_stock']} {stock[fastest]:.3f} ms: "
+                  f"{s['speedup']:.2f}x ({s['ci95'][0]:.2f}-{s['ci95'][1]:.2f})"
+                  + (f"; syncs {entry['syncs']['maxk k=32']['count']} vs "
+                     f"{entry['syncs'][fastest]['count']}, launches "
+                     f"{entry['launches']['maxk k=32']} vs {entry['launches'][fastest]}"
+                     if "syncs" in entry else ""), flush=True)
+    return table
+
+
+def plot_steps(steps: dict, hardware: str, path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    labels = list(steps)
+    speedups = [steps[label]["speedup"]["speedup"] for label in labels]
+    errors = [[s - steps[label]["speedup"]["ci95"][0] for label, s in zip(labels, speedups)],
+              [steps[label]["speedup"]["ci95"][1] - s for label, s in zip(labels, speedups)]]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.bar(range(len(labels)), speedups, yerr=errors, color="tab:green")
+    ax.axhline(1, color="grey", lw=0.8)
+    ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("MaxK speedup over the fastest stock form")
+    ax.set_title(f"Cora-sized training step, k=32: {hardware}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def profile_reddit(dev) -> dict:
