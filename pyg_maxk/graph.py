@@ -51,10 +51,12 @@ def _is_torch_sparse(adj: Any) -> bool:
 
 def _nonzero(mask: Tensor, count: int) -> Tensor:
     """``mask.nonzero().view(-1)`` when ``count`` is known: no host sync
-    where torch has ``nonzero_static``."""
-    if hasattr(torch, "nonzero_static"):
+    where torch has ``nonzero_static`` for the device (older torch: the
+    plain ``nonzero``, same result)."""
+    try:
         return torch.nonzero_static(mask, size=count).view(-1)
-    return torch.nonzero(mask).view(-1)
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return torch.nonzero(mask).view(-1)
 
 
 def _as_sparse_csr(adj: Tensor) -> Tensor:
