@@ -89,7 +89,12 @@ def test_driver_launch_hands_the_packed_fields_to_the_driver():
     # launch's fields (and the buffer's size), not a previous launch's.
     import ctypes
 
-    from pyg_maxk.ops._launch import _DriverLaunch, _PackedLaunch, params_and_types
+    from pyg_maxk.ops._launch import (
+        _DriverLaunch,
+        _PackedLaunch,
+        ctypes_launch,
+        params_and_types,
+    )
 
     seen = []
 
@@ -99,7 +104,7 @@ def test_driver_launch_hands_the_packed_fields_to_the_driver():
         seen.append((handle, gx, bx, stream, list(buffer)))
         return 0
 
-    driver = _DriverLaunch(fake_cu_launch_kernel, lambda index: 1000 + index)
+    driver = _DriverLaunch(ctypes_launch(fake_cu_launch_kernel), lambda index: 1000 + index)
     t, u = torch.zeros(3, 5), torch.zeros(7, dtype=torch.uint8)
     fields, types = params_and_types([t, 4, u])
     assert types == ((torch.float32, 2), int, (torch.uint8, 1))
@@ -109,6 +114,29 @@ def test_driver_launch_hands_the_packed_fields_to_the_driver():
     later, _ = params_and_types([v, 9, u])
     driver(packed, 2, 64, 1, later)
     assert seen == [(77, 6, 128, 1000, fields), (77, 2, 64, 1001, later)]
+
+
+def test_bindings_launch_hands_the_packed_buffer_to_the_driver():
+    # Through cuda.bindings: the kernel's CUfunction, the stream wrapped as a
+    # CUstream, no kernelParams, and the address of the packed buffer's
+    # "extra" array (a fake driver module stands in for the GPU's).
+    from types import SimpleNamespace
+
+    from pyg_maxk.ops._launch import _bindings_launch, _PackedLaunch
+
+    seen = []
+
+    def cu_launch_kernel(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        seen.append((function, gx, gy, gz, bx, by, bz, shared, stream, params, extra))
+        return (0,)
+
+    driver = SimpleNamespace(cuLaunchKernel=cu_launch_kernel,
+                             CUstream=lambda ptr: ("stream", ptr),
+                             CUfunction=lambda handle: ("function", handle))
+    packed = _PackedLaunch(77, 3, driver.CUfunction(77))
+    assert _bindings_launch(driver)(packed, 4, 128, 1234) == 0
+    assert seen == [(("function", 77), 4, 1, 1, 128, 1, 1, 0, ("stream", 1234), 0,
+                     packed.extra_address)]
 
 
 def test_linear_grid_is_one_wave_of_resident_blocks(monkeypatch):

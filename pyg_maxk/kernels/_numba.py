@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Optional
 
 
 def patch_numpy() -> bool:
@@ -32,8 +34,6 @@ def cuda_module() -> ModuleType:
     the environment is re-read first, so that a process that set the
     variable after importing numba (but before any kernel) gets what it set."""
     patch_numpy()
-    import sys
-
     if "numba.cuda" not in sys.modules:
         from numba.core import config
         config.reload_config()
@@ -87,5 +87,17 @@ def kernel_jit(**options):
     return compile_cached
 
 
+_SIMULATOR: Optional[bool] = None
+
+
 def simulator_enabled() -> bool:
-    return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0") or numba_status().simulator
+    """Whether the kernels run in Numba's simulator: fixed once ``numba.cuda``
+    is imported (asked per op, so the answer is kept from then on)."""
+    global _SIMULATOR
+    if _SIMULATOR is not None:
+        return _SIMULATOR
+    answer = (os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
+              or numba_status().simulator)
+    if "numba.cuda" in sys.modules:
+        _SIMULATOR = answer
+    return answer

@@ -8,15 +8,18 @@ kernel specialisation, reused by its launches), in the layout
 Numba's kernels take them (an array is ``meminfo, parent, nitems, itemsize,
 data, shape..., strides...``, an integer an int64: all 8-byte fields), and
 handed to the driver's ``cuLaunchKernel`` on the caller's current torch
-stream. A launch through Numba's own dispatch builds one argument object
-per field through ``cuda.core``'s ``launch`` and looks the context up on
-every call; this path derives the kernel's key and the fields in one pass
-and packs them in place into the buffer of that specialisation, with no
-fresh ctypes array per launch (``benchmarks/overhead.py`` measures the host
+stream, through NVIDIA's ``cuda.bindings`` where installed (a compiled call)
+or ctypes (which converts each argument on every call). A launch through
+Numba's own dispatch builds one argument object per field through
+``cuda.core``'s ``launch`` and looks the context up on every call; this
+path derives the kernel's key and the fields in one pass and packs them in
+place into the buffer of that specialisation, with no fresh ctypes array per
+launch (``benchmarks/overhead.py`` measures the host
 time per op).
 
-If any piece is missing (no ``libcuda``, another numba-cuda internal API),
-every launch takes Numba's path, which gives the same results.
+If any piece is missing (neither ``cuda.bindings`` nor ``libcuda``, another
+numba-cuda internal API), every launch takes Numba's path, which gives the
+same results.
 """
 from __future__ import annotations
 
@@ -51,18 +54,29 @@ def kernel_params(args) -> list:
 def params_and_types(args) -> Tuple[list, tuple]:
     """:func:`kernel_params` of ``args`` and the argument types that select a
     compiled kernel (a tensor's dtype and number of dimensions; ``int``), in
-    one pass over ``args``."""
+    one pass over ``args`` (1-D and 2-D tensors, what the kernels take,
+    without generic loops)."""
     fields, types = [], []
     for a in args:
-        if isinstance(a, Tensor):
-            size = a.element_size()
-            shape = a.shape
-            fields += (0, 0, a.numel(), size, a.data_ptr(), *shape,
-                       *[s * size for s in a.stride()])
-            types.append((a.dtype, len(shape)))
-        else:
+        if not isinstance(a, Tensor):
             fields.append(int(a))
             types.append(int)
+            continue
+        size = a.element_size()
+        shape = a.shape
+        ndim = len(shape)
+        if ndim == 1:
+            n = shape[0]
+            fields.extend((0, 0, n, size, a.data_ptr(), n, a.stride(0) * size))
+        elif ndim == 2:
+            rows, cols = shape
+            row_stride, col_stride = a.stride()
+            fields.extend((0, 0, rows * cols, size, a.data_ptr(), rows, cols,
+                           row_stride * size, col_stride * size))
+        else:
+            fields.extend((0, 0, a.numel(), size, a.data_ptr(), *shape,
+                           *[s * size for s in a.stride()]))
+        types.append((a.dtype, ndim))
     return fields, tuple(types)
 
 
@@ -70,26 +84,53 @@ class _PackedLaunch:
     """One compiled kernel's driver handle and a parameter buffer reused by
     every launch of it: the argument types in the launcher's key fix the
     number of fields, so only their values are packed per launch (building a
-    fresh ctypes array of ~75 fields cost more than the rest of a launch)."""
+    fresh ctypes array of ~75 fields cost more than the rest of a launch).
+    ``function`` is the handle as the driver binding takes it."""
 
-    __slots__ = ("handle", "packer", "buffer", "size", "extra")
+    __slots__ = ("handle", "function", "packer", "buffer", "size", "extra", "extra_address")
 
-    def __init__(self, handle: int, num_fields: int) -> None:
+    def __init__(self, handle: int, num_fields: int, function=None) -> None:
         self.handle = handle
+        self.function = handle if function is None else function
         self.packer = struct.Struct(f"={num_fields}q")
         self.buffer = (ctypes.c_int64 * num_fields)()
         self.size = ctypes.c_size_t(ctypes.sizeof(self.buffer))
         self.extra = (ctypes.c_void_p * 5)(
             _CU_LAUNCH_PARAM_BUFFER_POINTER, ctypes.addressof(self.buffer),
             _CU_LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(self.size), _CU_LAUNCH_PARAM_END)
+        self.extra_address = ctypes.addressof(self.extra)
+
+
+def ctypes_launch(cu_launch_kernel: Callable) -> Callable:
+    """A launch through a ctypes-like ``cuLaunchKernel`` (the driver's C
+    signature): ``launch(packed, blocks, threads, stream) -> CUresult``."""
+    def launch(packed: _PackedLaunch, blocks: int, threads: int, stream: int) -> int:
+        return cu_launch_kernel(packed.function, blocks, 1, 1, threads, 1, 1, 0, stream, None,
+                                packed.extra)
+    return launch
+
+
+def _bindings_launch(driver) -> Callable:
+    """A launch through NVIDIA's Python driver bindings (``cuda.bindings``):
+    a compiled call with no per-argument ctypes conversions."""
+    cu_launch_kernel, stream_of = driver.cuLaunchKernel, driver.CUstream
+
+    def launch(packed: _PackedLaunch, blocks: int, threads: int, stream: int) -> int:
+        (err,) = cu_launch_kernel(packed.function, blocks, 1, 1, threads, 1, 1, 0,
+                                  stream_of(stream), 0, packed.extra_address)
+        return int(err)
+    return launch
 
 
 class _DriverLaunch:
-    """``cuLaunchKernel`` through ctypes with a packed parameter buffer."""
+    """``cuLaunchKernel`` with a packed parameter buffer: through
+    ``cuda.bindings`` where it is installed, else ctypes."""
 
-    def __init__(self, cu_launch_kernel, raw_stream: Callable[[int], int]) -> None:
-        self._launch = cu_launch_kernel
+    def __init__(self, launch: Callable, raw_stream: Callable[[int], int],
+                 function_of: Callable[[int], object] = int) -> None:
+        self._launch = launch
         self._raw_stream = raw_stream
+        self._function_of = function_of
         # The driver copies the buffer at launch; the lock keeps another
         # thread from repacking it in between.
         self._lock = threading.Lock()
@@ -97,34 +138,39 @@ class _DriverLaunch:
     @classmethod
     def create(cls) -> Optional["_DriverLaunch"]:
         try:
-            fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
             raw_stream = torch._C._cuda_getCurrentRawStream
+        except AttributeError:  # pragma: no cover - a torch without CUDA
+            return None
+        try:
+            from cuda.bindings import driver
+            return cls(_bindings_launch(driver), raw_stream, driver.CUfunction)
+        except (ImportError, AttributeError):
+            pass
+        try:
+            fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
         except (OSError, AttributeError):  # pragma: no cover - no driver library
             return None
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
-        return cls(fn, raw_stream)
+        return cls(ctypes_launch(fn), raw_stream)
 
-    @staticmethod
-    def prepare(compiled, num_fields: int) -> Optional[_PackedLaunch]:
+    def prepare(self, compiled, num_fields: int) -> Optional[_PackedLaunch]:
         """The packed launch of a compiled Numba kernel taking ``num_fields``
         parameter fields, or None where its driver handle is not reachable."""
         try:
             handle = int(compiled._codelibrary.get_cufunc().handle)
         except (AttributeError, TypeError, ValueError):  # pragma: no cover
             return None
-        return _PackedLaunch(handle, num_fields)
+        return _PackedLaunch(handle, num_fields, self._function_of(handle))
 
     def __call__(self, packed: _PackedLaunch, blocks: int, threads: int, index: int,
                  fields: list) -> None:
         with self._lock:
             packed.packer.pack_into(packed.buffer, 0, *fields)
-            for attempt in range(2):
-                err = self._launch(packed.handle, blocks, 1, 1, threads, 1, 1, 0,
-                                   self._raw_stream(index), None, packed.extra)
-                if err != _CUDA_ERROR_INVALID_CONTEXT or attempt:
-                    break
+            err = self._launch(packed, blocks, threads, self._raw_stream(index))
+            if err == _CUDA_ERROR_INVALID_CONTEXT:
                 torch.cuda.set_device(index)  # a thread without a current context
+                err = self._launch(packed, blocks, threads, self._raw_stream(index))
         if err:
             raise RuntimeError(f"cuLaunchKernel failed with CUresult {err}")
 
@@ -180,7 +226,10 @@ class Launcher:
         key = (id(kernel), index, types)
         packed = self._packed.get(key)
         if packed is not None:
-            with self._on(index):
+            if self._multi_gpu:
+                with self._on(index):
+                    self._driver(packed, blocks, threads, index, fields)
+            else:
                 self._driver(packed, blocks, threads, index, fields)
             return
         with self._on(index), self._numba_device(index), _no_occupancy_warnings():
