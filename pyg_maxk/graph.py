@@ -29,6 +29,11 @@ from torch import Tensor
 
 NORMALIZATIONS = ("sum", "mean", "gcn")
 INT32_MAX = 2**31 - 1
+#: Edges below which a graph built on a GPU checks its ``edge_index`` there
+#: and gets bounded work schedules (:class:`WorkSchedule`): no host sync, as
+#: a new graph per mini-batch needs. Larger graphs are built once; their
+#: exact sizes cost one sync.
+BOUNDED_MAX_EDGES = 1 << 22
 #: Target (edge, slot) pairs per kernel work item (one warp's share): a row
 #: with more edges than ``PAIRS_PER_ITEM // k`` is cut into several items.
 PAIRS_PER_ITEM = 8192
@@ -49,14 +54,15 @@ def _is_torch_sparse(adj: Any) -> bool:
         torch.sparse_coo, torch.sparse_csr, torch.sparse_csc)
 
 
-def _nonzero(mask: Tensor, count: int) -> Tensor:
-    """``mask.nonzero().view(-1)`` when ``count`` is known: no host sync
-    where torch has ``nonzero_static`` for the device (older torch: the
-    plain ``nonzero``, same result)."""
+def _nonzero(mask: Tensor, count: int, fill_value: int = -1) -> Tensor:
+    """The first ``count`` positions where ``mask`` holds, padded with
+    ``fill_value`` to ``count`` entries: no host sync where torch has
+    ``nonzero_static`` for the device (else ``nonzero`` and a pad)."""
     try:
-        return torch.nonzero_static(mask, size=count).view(-1)
+        return torch.nonzero_static(mask, size=count, fill_value=fill_value).view(-1)
     except (AttributeError, NotImplementedError, RuntimeError):
-        return torch.nonzero(mask).view(-1)
+        found = torch.nonzero(mask).view(-1)[:count]
+        return torch.cat([found, found.new_full((count - found.numel(),), fill_value)])
 
 
 def _as_sparse_csr(adj: Tensor) -> Tensor:
@@ -68,6 +74,41 @@ def _as_sparse_csr(adj: Tensor) -> Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return adj.to_sparse_csr()
+
+
+def _work_schedule(rowptr: Tensor, num_edges: int, max_edges: int,
+                   bounded: bool) -> "WorkSchedule":
+    """The :class:`WorkSchedule` of the CSR rows ``rowptr`` (int64)."""
+    device = rowptr.device
+    num_dst = rowptr.numel() - 1
+    deg = rowptr[1:] - rowptr[:-1]
+    pieces = ((deg + (max_edges - 1)) // max_edges).clamp_(min=1)
+    is_split = pieces > 1
+    if bounded:
+        num_items = num_dst + num_edges // max_edges
+        num_zeroed = min(num_dst, num_edges // (max_edges + 1))
+    else:  # the two data-dependent sizes in one host sync
+        num_items, num_zeroed = torch.stack([pieces.sum(), is_split.sum()]).tolist()
+    last_item = torch.cumsum(pieces, 0)
+    item = torch.arange(num_items, device=device)
+    # Item t belongs to the row whose items end past it (past every row: padding).
+    row = torch.searchsorted(last_item, item, right=True)
+    real = row < num_dst
+    row.clamp_(max=max(num_dst - 1, 0))
+    piece = item - (last_item - pieces)[row]
+    start = rowptr[row] + piece * max_edges
+    end = torch.minimum(start + max_edges, rowptr[row + 1])
+    zeroed_rows = _nonzero(is_split, num_zeroed, fill_value=num_dst)
+    position = torch.cumsum(is_split, 0, dtype=torch.int32)  # 1-based among split rows
+    split = torch.where(is_split[row], position[row], 0)
+    if bounded:
+        start = torch.where(real, start, 0)
+        end = torch.where(real, end, 0)
+        split = torch.where(real, split, 1)
+    return WorkSchedule(max_edges=max_edges, row=row.to(torch.int32),
+                        start=start.to(torch.int32), end=end.to(torch.int32),
+                        split=split.to(torch.int32), zeroed_rows=zeroed_rows,
+                        bounded=bounded)
 
 
 def _is_edge_index_type(adj: Any) -> bool:
@@ -83,13 +124,21 @@ class WorkSchedule:
     """How the kernels cut the CSR rows into balanced work items.
 
     Item ``t`` aggregates edges ``[start[t], end[t])`` of row ``row[t]``; a row
-    with more than ``max_edges`` edges is cut into several items. Rows
-    without edges have no item. ``zeroed_rows`` lists the rows that no single
-    item writes whole (those without edges and the split ones). The forward
-    sums them in a zeroed float32 array of one row per zeroed row, with
-    atomics, and then stores it into its output: ``split[t]`` is 0 for an item
-    that writes its row whole, else 1 + the position of ``row[t]`` in
+    with more than ``max_edges`` edges is cut into several items, and a row
+    without edges has one item with no edges (which writes its zero row).
+    ``zeroed_rows`` lists the split rows. The forward sums them in a zeroed
+    float32 array of one row per entry of ``zeroed_rows``, with atomics, and
+    then stores it into its output: ``split[t]`` is 0 for an item that
+    writes its row whole, else 1 + the position of ``row[t]`` in
     ``zeroed_rows``.
+
+    A *bounded* schedule (``bounded=True``) has sizes known from the graph's
+    shape alone, so that building it needs no host sync: ``num_dst +
+    num_edges // max_edges`` items, the ones past the real items without
+    edges (``start == end``, ``split > 0``: they write nothing), and
+    ``min(num_dst, num_edges // (max_edges + 1))`` entries of
+    ``zeroed_rows``, the ones past the split rows equal to ``num_dst`` (a
+    scratch row below the output, which the forward then allocates).
     """
     max_edges: int
     row: Tensor          # [T] int32
@@ -97,6 +146,7 @@ class WorkSchedule:
     end: Tensor          # [T] int32
     split: Tensor        # [T] int32
     zeroed_rows: Tensor  # [Z] int64
+    bounded: bool = False
 
     @property
     def num_items(self) -> int:
@@ -315,6 +365,8 @@ class CSRGraph:
         self._schedules: Dict[int, WorkSchedule] = {}
         self._transposed: Optional[Tuple[Tensor, Tensor, Optional[Tensor]]] = None
         self._operands: Dict[int, PackedGraph] = {}
+        self._bounded: set = set()  # keys of _operands built with a bounded schedule
+        self._cache_hits = 0
         self._views: Dict[int, _Views] = {}  # keeps unpack()'s shortcut alive
         self._static = False  # operands marked as static inputs (prepare)
         self._transpose_order: Optional[Tensor] = None
@@ -383,14 +435,16 @@ class CSRGraph:
             self._torch_csr[key] = csr
         return csr
 
-    def schedule(self, max_edges: int) -> WorkSchedule:
+    def schedule(self, max_edges: int, bounded: bool = False) -> WorkSchedule:
         """The kernels' work items with at most ``max_edges`` edges each,
-        computed on the graph's device once and cached."""
+        computed on the graph's device once and cached: exact (one host
+        sync for its sizes), or ``bounded`` (no sync; see
+        :class:`WorkSchedule`). A cached exact schedule serves both."""
         max_edges = int(max_edges)
         if max_edges < 1:
             raise ValueError("max_edges must be positive")
         cached = self._schedules.get(max_edges)
-        if cached is not None:
+        if cached is not None and (bounded or not cached.bounded):
             return cached
         if self.num_edges > INT32_MAX or self.num_dst > INT32_MAX:
             raise ValueError(
@@ -398,29 +452,7 @@ class CSRGraph:
                 f"{self.num_edges} edges and {self.num_dst} rows (limit "
                 f"{INT32_MAX}). Split the graph (e.g. NeighborLoader) or use "
                 f"the 'torch' backend.")
-        rowptr = self.rowptr.long()
-        deg = rowptr[1:] - rowptr[:-1]
-        pieces = (deg + (max_edges - 1)) // max_edges
-        rows = torch.arange(self.num_dst, device=self.device)
-        # The schedule's two data-dependent sizes in one host sync.
-        num_items, num_zeroed = torch.stack([pieces.sum(), (pieces != 1).sum()]).tolist()
-        item_row = torch.repeat_interleave(rows, pieces, output_size=num_items)
-        first_item = torch.cumsum(pieces, 0) - pieces
-        piece = torch.arange(item_row.numel(), device=self.device) - first_item[item_row]
-        start = rowptr[item_row] + piece * max_edges
-        end = torch.minimum(start + max_edges, rowptr[item_row + 1])
-        zeroed_rows = _nonzero(pieces != 1, num_zeroed)
-        position = torch.zeros(self.num_dst, dtype=torch.int32, device=self.device)
-        position[zeroed_rows] = torch.arange(1, zeroed_rows.numel() + 1, dtype=torch.int32,
-                                             device=self.device)
-        schedule = WorkSchedule(
-            max_edges=max_edges,
-            row=item_row.to(torch.int32),
-            start=start.to(torch.int32),
-            end=end.to(torch.int32),
-            split=torch.where(pieces[item_row] > 1, position[item_row], 0),
-            zeroed_rows=zeroed_rows,
-        )
+        schedule = _work_schedule(self.rowptr.long(), self.num_edges, max_edges, bounded)
         self._schedules[max_edges] = schedule
         return schedule
 
@@ -457,6 +489,7 @@ class CSRGraph:
             graph._transposed = (colptr, row_t,
                                  weight.detach().index_select(0, self._transpose_order))
             graph._transpose_order = self._transpose_order
+        graph._bounded = set(self._bounded)
         for max_edges, ops in self._operands.items():
             weight_t = None if layout_numel(ops.layout, "row_t") < 0 else graph._transposed[2]
             graph._operands[max_edges] = PackedGraph(ops.index, weight, weight_t,
@@ -467,29 +500,54 @@ class CSRGraph:
         """The tensors every aggregation op reads at ``k`` entries per row,
         packed as the custom ops take them (:class:`PackedGraph`;
         :func:`unpack` gives the :class:`GraphOperands`), built on the first
-        call per work-item size and cached. Building them costs host syncs (the schedule's sizes
-        depend on the degrees): under ``torch.compile`` a graph must be
-        prepared (:meth:`prepare`, :class:`~pyg_maxk.transforms.ToCSRGraph`)
-        for the ``k`` of its layers, else the build breaks the graph."""
+        call per work-item size and cached (with the exact work schedule:
+        one host sync). Under ``torch.compile`` a graph must be prepared
+        (:meth:`prepare`, :class:`~pyg_maxk.transforms.ToCSRGraph`) for the
+        ``k`` of its layers, else the build breaks the graph."""
         cached = self._operands.get(max_edges_per_item(k))
         if cached is not None:
             return cached
-        return _build_operands_eagerly(self, max_edges_per_item(k))
+        return _build_operands_eagerly(self, max_edges_per_item(k), False)
+
+    def operands_without_sync(self, k: int) -> PackedGraph:
+        """:meth:`operands`, built with the bounded work schedule where the
+        graph is on a GPU and has fewer than :data:`BOUNDED_MAX_EDGES`
+        edges (no host sync: what a layer asks for an adjacency it has not
+        seen, such as a new mini-batch's)."""
+        cached = self._operands.get(max_edges_per_item(k))
+        if cached is not None:
+            return cached
+        bounded = self.device.type == "cuda" and self.num_edges < BOUNDED_MAX_EDGES
+        return _build_operands_eagerly(self, max_edges_per_item(k), bounded)
+
+    def has_operands(self, k: int) -> bool:
+        """Whether operands for ``k`` are built, with either schedule."""
+        return max_edges_per_item(k) in self._operands
 
     def is_prepared(self, k: int) -> bool:
-        """Whether the operands for ``k`` are built (:meth:`prepare`)."""
-        return max_edges_per_item(k) in self._operands
+        """Whether the operands for ``k`` are built with the exact schedule
+        (:meth:`prepare`)."""
+        max_edges = max_edges_per_item(k)
+        return max_edges in self._operands and max_edges not in self._bounded
 
     def prepare(self, *ks: int) -> "CSRGraph":
         """Build the operands of every ``k`` in ``ks`` now (outside a compiled
-        region) and mark them as static inputs of compiled code (CUDA graphs
-        then read them in place instead of copying them into the graph's
-        memory on every replay; a graph with other tensors re-records);
-        returns ``self``."""
+        region), with the exact work schedule, and mark them as static
+        inputs of compiled code (CUDA graphs then read them in place instead
+        of copying them into the graph's memory on every replay; a graph
+        with other tensors re-records); returns ``self``."""
         for k in ks:
-            self.operands(k)
+            if not self.is_prepared(k):
+                self._build_operands(max_edges_per_item(k))
         self._mark_static()
         return self
+
+    def settle(self) -> None:
+        """Rebuild every operand built with a bounded schedule with the
+        exact one (one host sync each): the graph cache does this for a
+        graph it serves often, which a fixed graph is."""
+        for max_edges in sorted(self._bounded):
+            self._build_operands(max_edges)
 
     def _mark_static(self) -> None:
         for operands in self._operands.values():
@@ -497,8 +555,8 @@ class CSRGraph:
                 torch._dynamo.mark_static_address(t)
         self._static = True
 
-    def _build_operands(self, max_edges: int) -> PackedGraph:
-        schedule = self.schedule(max_edges)
+    def _build_operands(self, max_edges: int, bounded: bool = False) -> PackedGraph:
+        schedule = self.schedule(max_edges, bounded)
         colptr = row_t = weight_t = None
         if self.device.type == "cpu":
             colptr, row_t, weight_t = self.transposed()
@@ -507,9 +565,13 @@ class CSRGraph:
                                  schedule.zeroed_rows, colptr, row_t, weight_t)
         packed, views = pack(operands)
         self._views[max_edges] = _register_views(packed, views)
-        if len(self._operands) == 0:
+        if set(self._operands) <= {max_edges}:
             self._hold_views(operands, views)
         self._operands[max_edges] = packed
+        if bounded:
+            self._bounded.add(max_edges)
+        else:
+            self._bounded.discard(max_edges)
         return packed
 
     def _hold_views(self, packed_from: GraphOperands, views: GraphOperands) -> None:
@@ -570,17 +632,17 @@ class CSRGraph:
         edge_index = _plain(edge_index)
         num_src, num_dst = size
         src, dst = edge_index[0], edge_index[1]
+        checked_on_device = dst.is_cuda and dst.numel() < BOUNDED_MAX_EDGES
         is_sorted = True
-        if dst.numel() > 0:
-            # One host sync for the range checks and the sortedness test (this
-            # runs per mini-batch, on the GPU).
+        if dst.numel() > 0 and not checked_on_device:
+            # One host sync for the range checks and the sortedness test.
             lo_src, hi_src, lo_dst, hi_dst, is_sorted = torch.stack([
                 src.min(), src.max(), dst.min(), dst.max(),
                 (dst[1:] >= dst[:-1]).all().to(src.dtype)]).tolist()
             _check_bounds(lo_src, hi_src, num_src, "source")
             _check_bounds(lo_dst, hi_dst, num_dst, "target")
         perm = None
-        if not is_sorted:
+        if checked_on_device or not is_sorted:
             dst, perm = torch.sort(dst, stable=True)
             src = src[perm]
         # Row r starts at the first edge whose target is r or more: a binary
@@ -588,6 +650,8 @@ class CSRGraph:
         # reads its input's range back to the host).
         rowptr = torch.searchsorted(
             dst, torch.arange(num_dst + 1, dtype=dst.dtype, device=dst.device))
+        if checked_on_device and dst.numel() > 0:
+            _assert_in_range(src, rowptr, num_src, dst.numel())
         value = None
         if edge_weight is not None:
             value = edge_weight if perm is None else edge_weight[perm]
@@ -655,11 +719,11 @@ class CSRGraph:
 
 
 @torch.compiler.disable
-def _build_operands_eagerly(graph: CSRGraph, max_edges: int) -> PackedGraph:
-    # The schedule's sizes depend on the degrees: data-dependent, so built
-    # outside any compiled graph (a graph break where the graph was not
-    # prepared for this k).
-    return graph._build_operands(max_edges)
+def _build_operands_eagerly(graph: CSRGraph, max_edges: int, bounded: bool) -> PackedGraph:
+    # The schedule's sizes depend on the degrees (or, bounded, on the
+    # graph's shape): built outside any compiled graph (a graph break where
+    # the graph was not prepared for this k).
+    return graph._build_operands(max_edges, bounded)
 
 
 # ---------------------------------------------------------------- building
@@ -679,6 +743,17 @@ def _check_bounds(lo: int, hi: int, bound: int, what: str) -> None:
     if lo < 0 or hi >= bound:
         raise IndexError(f"edge_index holds {what} node {lo if lo < 0 else hi}, "
                          f"outside [0, {bound}) for {bound} {what} nodes")
+
+
+def _assert_in_range(src: Tensor, rowptr: Tensor, num_src: int, num_edges: int) -> None:
+    """The range check of an ``edge_index`` on the GPU, without a host sync:
+    every target is in range when the row pointers (binary searches over
+    the sorted targets) start at 0 and end at the last edge. A failure is a
+    device-side assert (what PyG's own index ops give for such an
+    ``edge_index``), reported at the next synchronisation."""
+    lo, hi = torch.aminmax(src)
+    ok = torch.stack([lo >= 0, hi < num_src, rowptr[0] == 0, rowptr[-1] == num_edges]).all()
+    torch._assert_async(ok, "edge_index holds a node index outside [0, num_nodes)")
 
 
 def _check_edge_index(edge_index: Tensor) -> None:
@@ -758,8 +833,15 @@ def _fingerprint(adj: Any, edge_weight: Optional[Tensor]) -> Tuple[List[Any], Tu
     return anchors, tuple(t._version for t in tensors)
 
 
+#: Cache hits after which a graph gets exact work schedules
+#: (:meth:`CSRGraph.settle`): a new graph per mini-batch is served once per
+#: layer, a fixed one on every step.
+SETTLE_AFTER_HITS = 16
+
+
 class _GraphCache:
-    """A small LRU of graphs keyed on the identity of their source objects."""
+    """A small LRU of graphs keyed on the identity of their source objects;
+    a graph it serves often is settled (:data:`SETTLE_AFTER_HITS`)."""
 
     def __init__(self, capacity: int = 8) -> None:
         self.capacity = capacity
@@ -780,6 +862,9 @@ class _GraphCache:
             del self._entries[key]
             return None
         self._entries.move_to_end(key)
+        graph._cache_hits += 1
+        if graph._cache_hits == SETTLE_AFTER_HITS:
+            graph.settle()
         return graph
 
     def put(self, anchors, versions, params, graph: CSRGraph) -> None:
@@ -882,7 +967,7 @@ def graph_with_edge_values(adj: Any, size: Optional[Tuple[Optional[int], Optiona
         raise ValueError(f"gcn normalisation needs a square adjacency, got size={sizes}")
     structure = edge_structure(edge_index, sizes, gcn and gcn_add_self_loops, dtype)
     if k is not None:
-        structure.operands(k)
+        structure.operands_without_sync(k)
     num_edges = edge_index.size(1)
     if gcn:
         from torch_geometric.nn.conv.gcn_conv import gcn_norm
@@ -939,7 +1024,7 @@ def _sparse_graph_with_values(adj: Any, normalization: str, gcn_improved: bool,
         while len(_SPARSE_STRUCTURES) > _STRUCTURES.capacity:
             _SPARSE_STRUCTURES.pop(next(iter(_SPARSE_STRUCTURES)))
     if k is not None:
-        structure.operands(k)
+        structure.operands_without_sync(k)
     if edge_mask is not None:
         if normalization != "gcn":  # plain messages: the stored values do not count
             values = torch.ones(col.numel(), dtype=dtype, device=col.device)

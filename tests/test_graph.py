@@ -95,12 +95,33 @@ def test_schedule_cuts_heavy_rows():
     ei = torch.stack([torch.arange(23) % 5, torch.tensor([0] * 20 + [2, 2, 4])])
     graph = CSRGraph.from_adj(ei, (5, 5))
     s = graph.schedule(max_edges=8)
-    assert s.row.tolist() == [0, 0, 0, 2, 4]
-    assert s.start.tolist() == [0, 8, 16, 20, 22]
-    assert s.end.tolist() == [8, 16, 20, 22, 23]
-    assert s.split.tolist() == [1, 1, 1, 0, 0]
-    assert s.zeroed_rows.tolist() == [0, 1, 3]  # split, and without edges
+    assert s.row.tolist() == [0, 0, 0, 1, 2, 3, 4]  # rows 1 and 3: no edges, one item
+    assert s.start.tolist() == [0, 8, 16, 20, 20, 22, 22]
+    assert s.end.tolist() == [8, 16, 20, 20, 22, 22, 23]
+    assert s.split.tolist() == [1, 1, 1, 0, 0, 0, 0]
+    assert s.zeroed_rows.tolist() == [0]  # the split row
+    assert not s.bounded
     assert graph.schedule(8) is s
+    assert graph.schedule(8, bounded=True) is s  # an exact schedule serves both
+
+
+@pytest.mark.parametrize("max_edges", [1, 3, 8, 40])
+def test_bounded_schedule_has_sizes_known_from_the_shape(max_edges):
+    # num_dst + E // max_edges items and min(num_dst, E // (max_edges + 1))
+    # zeroed rows, whatever the degrees: the exact schedule's items first,
+    # then padding items without edges (split > 0: they write nothing); the
+    # exact zeroed rows first, then the scratch row num_dst.
+    ei = torch.stack([torch.arange(23) % 5, torch.tensor([0] * 20 + [2, 2, 4])])
+    exact = CSRGraph.from_adj(ei, (5, 6), cache=False).schedule(max_edges)
+    s = CSRGraph.from_adj(ei, (5, 6), cache=False).schedule(max_edges, bounded=True)
+    assert s.bounded
+    assert s.num_items == 6 + 23 // max_edges
+    real = exact.num_items
+    for name in ("row", "start", "end", "split"):
+        assert getattr(s, name)[:real].tolist() == getattr(exact, name).tolist()
+    assert (s.start[real:] == s.end[real:]).all() and (s.split[real:] > 0).all()
+    zeroed = exact.zeroed_rows.tolist()
+    assert s.zeroed_rows.tolist() == zeroed + [6] * (min(6, 23 // (max_edges + 1)) - len(zeroed))
 
 
 def test_errors():
@@ -142,7 +163,8 @@ def test_million_edge_graph_and_its_schedule():
     assert torch.equal(edges(row_of_edge, graph.col.long()), edges(ei[1], ei[0]))
     schedule = graph.schedule(512)
     start, end, row = schedule.start.long(), schedule.end.long(), schedule.row.long()
-    assert bool((end > start).all()) and int((end - start).max()) <= 512
+    assert bool((end >= start).all()) and int((end - start).max()) <= 512
+    assert torch.equal((end == start).nonzero().view(-1), (deg[row] == 0).nonzero().view(-1))
     assert torch.equal(torch.bincount(row, weights=(end - start).double(), minlength=n).long(),
                        deg)
     covered = torch.zeros(graph.num_edges, dtype=torch.long)
@@ -153,3 +175,20 @@ def test_million_edge_graph_and_its_schedule():
     split_rows = torch.unique(row[schedule.split > 0])
     assert 7 in split_rows.tolist()
     assert set(split_rows.tolist()) <= set(schedule.zeroed_rows.tolist())
+
+
+def test_a_graph_the_cache_serves_often_gets_the_exact_schedule():
+    # A new graph per mini-batch keeps the bounded schedule it was built
+    # with (no sync); one that the cache keeps serving (a fixed graph) is
+    # settled with the exact one.
+    from pyg_maxk.graph import SETTLE_AFTER_HITS, max_edges_per_item
+    ei = random_edge_index(8, 8, 20, seed=3)
+    graph = CSRGraph.from_adj(ei, (8, 8))
+    graph._build_operands(max_edges_per_item(4), bounded=True)
+    assert not graph.is_prepared(4)
+    for _ in range(SETTLE_AFTER_HITS - 1):
+        assert CSRGraph.from_adj(ei, (8, 8)) is graph
+    assert not graph.is_prepared(4)
+    assert CSRGraph.from_adj(ei, (8, 8)) is graph
+    assert graph.is_prepared(4)
+    assert not graph.schedule(max_edges_per_item(4)).bounded

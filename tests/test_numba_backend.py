@@ -67,6 +67,34 @@ def test_heavy_rows_split_across_items(monkeypatch):
     check_kernels(graph, dim=20, k=4)
 
 
+@pytest.mark.parametrize("weighted", [pytest.param(False, marks=smoke), True])
+def test_bounded_schedule_against_float64(monkeypatch, weighted):
+    # The schedule a new graph gets without a host sync: padding items (no
+    # edges, split > 0), zeroed rows padded with a scratch row below the
+    # output, rows without edges, and a split row; the edge values' gradient
+    # (SDDMM) too.
+    monkeypatch.setattr(pyg_maxk.graph, "PAIRS_PER_ITEM", 16 * 4)
+    src = torch.arange(120) % 25
+    dst = torch.cat([torch.zeros(90, dtype=torch.long), torch.arange(2, 32)])
+    w = (torch.rand(120) + 0.1).to(DEVICE) if weighted else None
+    ei = torch.stack([src, dst]).to(DEVICE)
+    exact = CSRGraph.from_adj(ei, (25, 40), edge_weight=w, cache=False)
+    graph = CSRGraph.from_adj(ei, (25, 40), edge_weight=w, cache=False)
+    graph._build_operands(pyg_maxk.graph.max_edges_per_item(4), bounded=True)
+    assert not graph.is_prepared(4)
+    assert int((split_items(graph, k=4) != 0).sum()) > int((split_items(exact, k=4) != 0).sum())
+    check_kernels(graph, dim=20, k=4)  # against float64, forward and backward
+    if weighted:
+        h = random_cbsr(25, 20, 4, seed=3)
+        grads = []
+        for g in (graph, exact):
+            values = g.weight.clone().requires_grad_()
+            with pyg_maxk.use_backend("numba"):
+                pyg_maxk.aggregate(g.with_weight(values, "sum"), h).sum().backward()
+            grads.append(values.grad)
+        torch.testing.assert_close(grads[0], grads[1])
+
+
 @pytest.mark.parametrize("dim,k", [(24, 1), (80, 33), pytest.param(70, 64, marks=smoke)])
 def test_one_lane_groups_and_slots_beyond_a_warp(dim, k):
     # k=1: 32 neighbours side by side per warp; k > 32: a lane owns several slots.
@@ -514,19 +542,23 @@ def test_maxk_uses_the_select_kernel_up_to_its_measured_width(monkeypatch):
 
 @pytest.mark.parametrize("dtype,dim", [(torch.bfloat16, 48), (torch.float16, 48),
                                        (torch.bfloat16, 45)])
-def test_half_aggregation_is_the_float32_sum_rounded_once(monkeypatch, dtype, dim):
+@pytest.mark.parametrize("bounded", [False, True])
+def test_half_aggregation_is_the_float32_sum_rounded_once(monkeypatch, dtype, dim, bounded):
     # A half-precision aggregation is stored by the kernel itself: each
     # float32 sum rounded once, bit for bit the float32 kernel's sum of the
     # same (widened) values rounded by torch; rows split over work items
     # (float32 partial sums, rounded once after the last) and rows without
-    # edges (zeros) included.
+    # edges (zeros) included; with the bounded schedule too (zeroed rows
+    # padded with a scratch row below the half output).
     monkeypatch.setattr(pyg_maxk.graph, "PAIRS_PER_ITEM", 16 * 8)
     g = torch.Generator().manual_seed(5)
     src = torch.cat([torch.arange(60) % 30, torch.randint(0, 30, (80,), generator=g)])
     dst = torch.cat([torch.zeros(60, dtype=torch.long), torch.randint(2, 25, (80,), generator=g)])
     for normalization in ("mean", "sum"):
         graph = CSRGraph.from_adj(torch.stack([src, dst]).to(DEVICE), (30, 25),
-                                  normalization=normalization)
+                                  normalization=normalization, cache=False)
+        if bounded:
+            graph._build_operands(pyg_maxk.graph.max_edges_per_item(8), bounded=True)
         assert bool(split_items(graph, 8).any())
         h = random_cbsr(30, dim, 8, seed=6, dtype=dtype)
         with pyg_maxk.use_backend("numba"):
@@ -537,9 +569,11 @@ def test_half_aggregation_is_the_float32_sum_rounded_once(monkeypatch, dtype, di
         assert out.dtype == dtype
         from pyg_maxk.graph import unpack
         zeroed = unpack(*graph.operands(8)).zeroed_rows
+        assert bool((zeroed == 25).any()) == bounded  # the scratch row
+        zeroed = zeroed[zeroed < 25]
         whole = torch.ones(25, dtype=torch.bool, device=DEVICE)
         whole[zeroed] = False
-        assert bool(whole.any()) and zeroed.numel() > 1
+        assert bool(whole.any()) and zeroed.numel() >= 1
         torch.testing.assert_close(out[whole], wide[whole].to(dtype), rtol=0, atol=0)
         # Split rows: float32 atomics in any order, one rounding at the end.
         torch.testing.assert_close(out[zeroed].double(), wide[zeroed].double(),

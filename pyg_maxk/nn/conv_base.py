@@ -60,7 +60,7 @@ def _cached_graph(adj: Any, sizes: Tuple[int, int], k: Optional[int], **kwargs) 
     # new or edited adjacency is never replayed stale.
     graph = CSRGraph.from_adj(adj, sizes, **kwargs)
     if k is not None:
-        graph.operands(k)  # built here, not in the compiled graph
+        graph.operands_without_sync(k)  # built here, not in the compiled graph
     return graph
 
 
@@ -241,7 +241,7 @@ class MaxKConv(MessagePassing):
         if isinstance(adj, CSRGraph):
             self._check_prepared(adj, normalization, edge_weight, options)
             k = _kept(x_src, self.k)
-            return adj if k is None or adj.is_prepared(k) else _prepare(adj, k)
+            return adj if k is None or adj.has_operands(k) else _prepare(adj, k)
         return _cached_graph(adj, sizes, _kept(x_src, self.k),
                              edge_weight=edge_weight, normalization=normalization, dtype=dtype,
                              **options)

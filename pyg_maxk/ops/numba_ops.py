@@ -291,12 +291,19 @@ def spgemm(g: GraphOperands, values: Tensor, indices: Tensor, num_dst: int,
     out_dtype = spgemm_dtype(values, g)
     out_half = half_kind(out_dtype)
     # Rows that one item writes whole are stored once, in the result's type;
-    # the others (split or without edges, about a tenth on a power-law
-    # graph) are summed in float32 in `partial` and stored afterwards (one launch).
-    out = torch.empty(num_dst, dim, dtype=out_dtype if out_half else KERNEL_DTYPE,
-                      device=values.device)
+    # the split ones (a few on a power-law graph) are summed in float32 in
+    # `partial` and stored afterwards (one launch). A bounded schedule pads
+    # its zeroed rows with `num_dst`: a scratch row below the result, cut off
+    # by an in-place resize (a view would refuse the in-place adds that
+    # layers make into a fresh aggregation).
     num_zeroed = g.zeroed_rows.numel()
-    partial = torch.zeros(max(num_zeroed, 1), dim, dtype=KERNEL_DTYPE, device=values.device)
+    out = torch.empty(num_dst + (num_zeroed > 0), dim,
+                      dtype=out_dtype if out_half else KERNEL_DTYPE, device=values.device)
+    # Without zeroed rows no item adds to `partial` (a bounded schedule's
+    # padding items point at it, with no edges): no zero-fill.
+    partial = (torch.zeros(num_zeroed, dim, dtype=KERNEL_DTYPE, device=values.device)
+               if num_zeroed > 0 else torch.empty(1, dim, dtype=KERNEL_DTYPE,
+                                                  device=values.device))
     num_items = g.item_row.numel()
     if num_items > 0:
         run, threads, blocks = _item_launch(num_items, values.device)
@@ -317,7 +324,7 @@ def spgemm(g: GraphOperands, values: Tensor, indices: Tensor, num_dst: int,
         blocks = min(-(-stores // threads), run.max_blocks(values.device, threads))
         run(zeroed_rows_kernel(out_half, pairs), blocks, threads, values.device, partial,
             g.zeroed_rows, target, stores)
-    return as_dtype(out, out_dtype)
+    return as_dtype(out.resize_(num_dst, dim), out_dtype)
 
 
 def _or_unread(optional: Optional[Tensor], stand_in: Tensor) -> Tensor:
