@@ -25,7 +25,7 @@ from ..cbsr import index_dtype_for
 from ..dispatch import choose
 from ..graph import PackedGraph, layout_dtype, layout_numel, unpack
 from . import torch_ops
-from ._common import aggregation_dtype, dtype_of
+from ._common import aggregation_dtype, as_dtype, dtype_of
 
 
 def _impls(op: str, requested: str, tensor: Tensor, **shape):
@@ -79,10 +79,18 @@ class KernelOp:
             })
 
     def __call__(self, *args):
-        if not _plain_eager(args):
+        # Dynamo, a tracing mode (AOTAutograd, fake tensors, make_fx) and
+        # tensor subclasses need the dispatcher (and the fake implementation).
+        # Then one pass over the arguments: plain tensors, any needing a gradient.
+        if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
             return self.op(*args)
-        if self.function is not None and torch.is_grad_enabled() and any(
-                isinstance(a, Tensor) and a.requires_grad for a in args):
+        needs_grad = False
+        for a in args:
+            if isinstance(a, Tensor):
+                if type(a) not in _PLAIN_TENSORS:
+                    return self.op(*args)
+                needs_grad = needs_grad or a.requires_grad
+        if needs_grad and self.function is not None and torch.is_grad_enabled():
             return self.function.apply(*args)
         return self.impl(*args)
 
@@ -93,12 +101,6 @@ class KernelOp:
 _PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
 
 
-def _plain_eager(args) -> bool:
-    """Whether this call runs eagerly on plain tensors: not under dynamo, no
-    tracing mode (AOTAutograd, fake tensors, ``make_fx``) and no tensor
-    subclass, which all need the dispatcher (and the fake implementation)."""
-    return (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
-            and all(type(a) in _PLAIN_TENSORS for a in args if isinstance(a, Tensor)))
 
 
 def _densify(requested: str, values: Tensor, dim: int):
@@ -198,8 +200,8 @@ def _spgemm_backward(ctx, grad_out):
     grad_out = grad_out.contiguous()
     grad_values = grad_weight = None
     if ctx.needs_input_grad[NUM_GRAPH_ARGS]:
-        grad_values = sspmm(*graph, indices, grad_out, ctx.num_src, ctx.backend)
-        grad_values = grad_values.to(ctx.values_dtype)
+        grad_values = as_dtype(sspmm(*graph, indices, grad_out, ctx.num_src, ctx.backend),
+                               ctx.values_dtype)
     if ctx.weight_grad and ctx.needs_input_grad[_WEIGHT_ARG]:
         weight = graph[_WEIGHT_ARG]
         grad_weight = sddmm(*graph, values, indices, grad_out, ctx.backend).to(weight.dtype)
@@ -350,7 +352,11 @@ def _cbsr_linear_backward_impl(grad_out: Tensor, values: Tensor, indices: Tensor
                                                need_values, need_weight,
                                                dense_ops.cbsr_to_dense, dense_ops.gather_at)
     grad_values, grad_weight = grads
-    grad_bias = dense_ops.column_sums(grad_out) if need_bias else None
+    # torch's sum(0) of a short [N, out] costs less host time than a launch;
+    # over many rows it stays far below the bandwidth that the kernel reaches.
+    large = grad_out.size(0) >= dispatch.LINEAR_MIN_ROWS
+    column_sums = dense_ops.column_sums if large else torch_ops.column_sums
+    grad_bias = column_sums(grad_out) if need_bias else None
     # Custom ops return tensors: an empty one stands for a gradient not asked for.
     return (grad_values if grad_values is not None else values.new_empty(0),
             grad_weight if grad_weight is not None else weight.new_empty(0),
