@@ -165,11 +165,11 @@ class GraphOperands(NamedTuple):
     col: Tensor                   # [E] int32 (int64 beyond int32's range)
     weight: Optional[Tensor]      # [E] edge values, or None for ones
     row_scale: Optional[Tensor]   # [num_dst]: every edge value of a row, or None
-    item_row: Tensor              # the work schedule (WorkSchedule)
-    item_start: Tensor
-    item_end: Tensor
-    item_split: Tensor
-    zeroed_rows: Tensor
+    item_row: Optional[Tensor]    # the work schedule (WorkSchedule), which only
+    item_start: Optional[Tensor]  # the CUDA kernels read: None on a CPU graph
+    item_end: Optional[Tensor]    # outside Numba's simulator
+    item_split: Optional[Tensor]
+    zeroed_rows: Optional[Tensor]
     colptr: Optional[Tensor]      # [num_src + 1]
     row_t: Optional[Tensor]       # [E]
     weight_t: Optional[Tensor]    # [E] or None
@@ -556,13 +556,16 @@ class CSRGraph:
         self._static = True
 
     def _build_operands(self, max_edges: int, bounded: bool = False) -> PackedGraph:
-        schedule = self.schedule(max_edges, bounded)
         colptr = row_t = weight_t = None
+        items = [None] * 5
         if self.device.type == "cpu":
             colptr, row_t, weight_t = self.transposed()
+        if self.device.type != "cpu" or _simulated_kernels():
+            schedule = self.schedule(max_edges, bounded)
+            items = [schedule.row, schedule.start, schedule.end, schedule.split,
+                     schedule.zeroed_rows]
         operands = GraphOperands(self.rowptr, self.kernel_col(), self.weight, self.row_scale,
-                                 schedule.row, schedule.start, schedule.end, schedule.split,
-                                 schedule.zeroed_rows, colptr, row_t, weight_t)
+                                 *items, colptr, row_t, weight_t)
         packed, views = pack(operands)
         self._views[max_edges] = _register_views(packed, views)
         if set(self._operands) <= {max_edges}:
@@ -716,6 +719,13 @@ class CSRGraph:
         if cache:
             _CACHE.put(anchors, versions, params, graph)
         return graph
+
+
+def _simulated_kernels() -> bool:
+    """Whether the CUDA kernels, the only readers of the work schedule, run
+    on CPU tensors here (Numba's simulator)."""
+    from .kernels import simulator_enabled
+    return simulator_enabled()
 
 
 @torch.compiler.disable

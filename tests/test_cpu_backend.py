@@ -108,6 +108,24 @@ def test_layer_contract(kind, form):
                          backend="cpu")
 
 
+@pytest.mark.parametrize("kind", ["sage", "gcn", "gin"])
+def test_cpu_graphs_skip_the_work_schedule_outside_the_simulator(monkeypatch, kind):
+    # Only the CUDA kernels read the work schedule: a CPU graph outside
+    # Numba's simulator (where tests otherwise run) builds none, and the
+    # "cpu" backend still gives the stock result, forward and backward.
+    from pyg_maxk.graph import unpack
+    monkeypatch.setattr(pyg_maxk.graph, "_simulated_kernels", lambda: False)
+    pyg_maxk.clear_graph_cache()
+    ei = random_edge_index(N, N, 50, seed=3)
+    graph = CSRGraph.from_adj(ei, (N, N), cache=False)
+    operands = unpack(*graph.operands(K))
+    assert operands.item_row is None and operands.zeroed_rows is None
+    assert operands.colptr is not None  # the CPU backward's transposed graph
+    ours, stock = make_pair(kind)
+    assert_same_as_stock(ours, stock, random_features(), (ei,), K, backend="cpu")
+    pyg_maxk.clear_graph_cache()
+
+
 @pytest.mark.parametrize("kind", ["sage", "gin"])
 def test_layer_contract_bipartite(kind):
     ei = random_edge_index(11, 7, 30, seed=4)
