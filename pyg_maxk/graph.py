@@ -548,6 +548,8 @@ class CSRGraph:
         graph it serves often, which a fixed graph is."""
         for max_edges in sorted(self._bounded):
             self._build_operands(max_edges)
+        if self._static:  # the new buffers too
+            self._mark_static()
 
     def _mark_static(self) -> None:
         for operands in self._operands.values():
