@@ -14,8 +14,7 @@ Numba's own dispatch builds one argument object per field through
 ``cuda.core``'s ``launch`` and looks the context up on every call; this
 path derives the kernel's key and the fields in one pass and packs them in
 place into the buffer of that specialisation, with no fresh ctypes array per
-launch (``benchmarks/overhead.py`` measures the host
-time per op).
+launch (``benchmarks/overhead.py`` measures the host time per op).
 
 If any piece is missing (neither ``cuda.bindings`` nor ``libcuda``, another
 numba-cuda internal API), every launch takes Numba's path, which gives the
