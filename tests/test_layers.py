@@ -291,3 +291,59 @@ def test_the_package_raises_no_warnings_of_its_own(kind, form):
         warnings.simplefilter("error")
         ours(x, adj).sum().backward()
     assert x.grad is not None
+
+
+def _autograd_node_names(out):
+    names, stack, seen = [], [out.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("kind", ["sage", "gcn", "gin"])
+def test_one_autograd_node_selects_and_aggregates(kind):
+    # Small graphs are bound by host time per autograd node: MaxK and the
+    # aggregation (and SAGE's dense root term) are one node.
+    ours, _ = make_pair(kind)
+    x = random_features().requires_grad_()
+    names = _autograd_node_names(ours(x, random_edge_index(N, N, 50, seed=3)))
+    ours_nodes = [name for name in names if name.endswith("_functionBackward")]
+    assert ours_nodes == ["maxk_aggregate_functionBackward"], names
+
+
+@pytest.mark.parametrize("cbsr_root", [False, True])
+@pytest.mark.parametrize("form", ["edge_index", "csr"])
+def test_contract_sage_root_term_dense_and_cbsr(form, cbsr_root, monkeypatch):
+    # Below LINEAR_MIN_ROWS rows SAGE's root term is a dense linear map; from
+    # there a CBSR linear op (forced here by a threshold of 0).
+    from pyg_maxk.nn import sage_conv
+    calls = []
+    original = sage_conv.cbsr_linear
+    monkeypatch.setattr(sage_conv, "cbsr_linear", lambda *a, **kw: calls.append(1) or
+                        original(*a, **kw))
+    if cbsr_root:
+        monkeypatch.setattr(sage_conv, "LINEAR_MIN_ROWS", 0)
+    ei = random_edge_index(N, N, 50, seed=3)
+    ours, stock = make_pair("sage")
+    assert_same_as_stock(ours, stock, random_features(), (adjacency(form, ei, (N, N)),), K)
+    assert bool(calls) == cbsr_root
+
+
+def test_dropout_and_cbsr_inputs_take_the_separate_steps():
+    # Dropout applies between MaxK and the aggregation, and a CBSR input is
+    # selected already: both run the two ops, with the same results.
+    ei = random_edge_index(N, N, 30)
+    conv = MaxKGINConv(torch.nn.Linear(F_IN, F_OUT), k=K, dropout=0.5)
+    x = random_features().requires_grad_()
+    conv.train()
+    names = _autograd_node_names(conv(x, ei))
+    assert "maxk_aggregate_functionBackward" not in names
+    assert "spgemm_functionBackward" in names
+    conv.eval()
+    h = pyg_maxk.maxk(x, K)
+    torch.testing.assert_close(conv(h, ei), conv(x, ei))

@@ -54,6 +54,11 @@ def op_cases(backend, dtype=torch.float32):
         if graph.weight is not None:  # learnable edge values: the SDDMM in the backward
             learnable = ops._replace(weight=graph.weight.detach().clone().requires_grad_())
             cases.append((lib.spgemm, (*learnable, values, indices, num_dst, dim, backend)))
+        x = torch.randn(num_src, dim, device=DEVICE, dtype=dtype, requires_grad=True)
+        for with_dense in (False, True):
+            cases.append((lib.maxk_aggregate, (x, k, *ops, num_dst, with_dense, backend)))
+        if graph.weight is not None:
+            cases.append((lib.maxk_aggregate, (x, k, *learnable, num_dst, True, backend)))
         dense = torch.randn(num_src, dim, device=DEVICE, dtype=dtype, requires_grad=True)
         weight = None if graph.weight is None else graph.weight.to(dtype)
         cases.append((lib.spmm, (graph.rowptr, graph.col, weight, dense, num_src, False)))
@@ -195,3 +200,31 @@ def test_edge_value_gradient_against_float64(backend, dim, k, monkeypatch):
         expected = (dense[graph.col.long()] * grad_out.double()[row]).sum(1)
         tol = 1e-12 if dtype == torch.float64 else 1e-5
         torch.testing.assert_close(grad_weight.double(), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("with_dense", [False, True])
+def test_maxk_aggregate_equals_its_steps(backend, with_dense):
+    # The fused op against maxk, aggregate and to_dense, forward and the
+    # gradients of x (through all three outputs) and of the edge values.
+    base = _graph(12, 12, 40, "gcn_weighted")
+    edge_values = base.weight.detach().clone().requires_grad_()
+    x = torch.randn(12, 20, device=DEVICE, requires_grad=True)
+    results = []
+    with pyg_maxk.use_backend(backend):
+        for fused in (True, False):
+            graph = base.with_weight(edge_values, base.normalization)  # fresh edge-value views
+            if fused:
+                agg, h, dense = pyg_maxk.ops.maxk_aggregate(x, 4, graph, with_dense=with_dense)
+            else:
+                h = pyg_maxk.maxk(x, 4)
+                agg = pyg_maxk.aggregate(graph, h)
+                dense = pyg_maxk.ops.to_dense(h) if with_dense else None
+            loss = (agg * agg).sum() + (h.values ** 3).sum()
+            if with_dense:
+                loss = loss + (dense * torch.arange(20.0, device=DEVICE)).sum()
+            else:
+                assert dense is None
+            results.append((agg, h.to_dense(), *torch.autograd.grad(loss, [x, edge_values])))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

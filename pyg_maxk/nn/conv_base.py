@@ -19,7 +19,7 @@ from ..graph import (
     _is_torch_sparse,
     graph_with_edge_values,
 )
-from ..ops import _check_features, aggregate, check_k, maxk
+from ..ops import _check_features, aggregate, check_k, maxk, maxk_aggregate, to_dense
 
 Features = Union[Tensor, CBSR]
 PairFeatures = Tuple[Features, Optional[Features]]
@@ -145,6 +145,16 @@ class MaxKConv(MessagePassing):
         if isinstance(x, CBSR):
             return x
         return maxk(x, self.k, dropout=self.dropout, training=self.training)
+
+    def sparsify_and_aggregate(self, graph: CSRGraph, x: Features, *,
+                               with_dense: bool = False) -> Tuple[Tensor, CBSR, Optional[Tensor]]:
+        """``(graph @ h, h, dense h or None)`` for ``h`` the MaxK of ``x``:
+        one op (:func:`pyg_maxk.ops.maxk_aggregate`, one autograd node) unless
+        ``x`` is a CBSR already or dropout applies between the two steps."""
+        if isinstance(x, CBSR) or (self.dropout > 0.0 and self.training):
+            h = self.sparsify(x)
+            return self.aggregate_sparse(graph, h), h, (to_dense(h) if with_dense else None)
+        return maxk_aggregate(x, self.k, graph, with_dense=with_dense)
 
     @staticmethod
     def aggregate_sparse(graph: CSRGraph, h: CBSR) -> Tensor:

@@ -95,7 +95,7 @@ class MaxKGCNConv(MaxKConv):
                              f"instead")
         x, _ = self.split_features(x)
         graph = self.graph_for(edge_index, x, x, None, edge_weight=edge_weight)
-        agg = self.aggregate_sparse(graph, self.sparsify(x))  # [N, F_in]
+        agg = self.sparsify_and_aggregate(graph, x)[0]  # [N, F_in]
         if is_uninitialized_parameter(self.lin.weight):  # lazy in_channels=-1
             out = self.lin(agg)
             return out if self.bias is None else out + self.bias

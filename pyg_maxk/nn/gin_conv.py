@@ -63,8 +63,7 @@ class MaxKGINConv(MaxKConv):
                 size: Size = None) -> Tensor:
         x_src, x_dst = self.split_features(x)
         graph = self.graph_for(edge_index, x_src, x_dst, size)
-        h_src = self.sparsify(x_src)
-        out = self.aggregate_sparse(graph, h_src)  # [N_dst, F_in]
+        out, h_src, _ = self.sparsify_and_aggregate(graph, x_src)  # [N_dst, F_in]
         if x_dst is not None:
             h_dst = h_src if x_dst is x_src else self.sparsify(x_dst)
             out = h_dst.add_to(out, 1 + self.eps, inplace=True)  # out is fresh

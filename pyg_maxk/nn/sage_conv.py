@@ -8,8 +8,9 @@ from torch_geometric.nn.dense.linear import Linear, is_uninitialized_parameter
 from torch_geometric.typing import Adj, Size
 
 from ..cbsr import CBSR
+from ..dispatch import LINEAR_MIN_ROWS
 from ..ops import cbsr_linear, to_dense
-from .conv_base import Features, MaxKConv, PairFeatures
+from .conv_base import Features, MaxKConv, PairFeatures, _rows
 
 
 class MaxKSAGEConv(MaxKConv):
@@ -86,10 +87,16 @@ class MaxKSAGEConv(MaxKConv):
                 size: Size = None) -> Tensor:
         x_src, x_dst = self.split_features(x)
         graph = self.graph_for(edge_index, x_src, x_dst, size)
-        h_src = self.sparsify(x_src)
-        agg = self.aggregate_sparse(graph, h_src)  # [N_dst, F_in]
+        root = self.root_weight and x_dst is not None
+        # Below LINEAR_MIN_ROWS rows the root term is stock's dense linear map:
+        # its [N, F_in] input is small, and a step there is bound by host time,
+        # which torch's own autograd nodes spend less of than a CBSR linear op.
+        dense_root = root and x_dst is x_src and _rows(x_src) < LINEAR_MIN_ROWS
+        agg, h_src, dense = self.sparsify_and_aggregate(graph, x_src, with_dense=dense_root)
 
-        if self.root_weight and x_dst is not None:
+        if dense_root:
+            out = self.lin_l(agg) + self.lin_r(dense)
+        elif root:
             h_dst = h_src if x_dst is x_src else self.sparsify(x_dst)
             out = self.sum_of_linears(agg, h_dst)
         else:

@@ -1,5 +1,6 @@
 """The functional MaxK ops: :func:`maxk` (dense -> CBSR), :func:`to_dense`,
-:func:`aggregate` (CSR graph x CBSR -> dense) and :func:`cbsr_linear`.
+:func:`aggregate` (CSR graph x CBSR -> dense), :func:`maxk_aggregate` (the
+first and the third in one op) and :func:`cbsr_linear`.
 
 Each checks its input, asks :func:`pyg_maxk.dispatch.choose` for a backend
 and calls a custom op of :mod:`._library` with it. All are differentiable
@@ -9,7 +10,7 @@ and compile-clean. The ``"torch"`` backend is the reference semantics; the
 """
 from __future__ import annotations
 
-from typing import Union
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -116,6 +117,39 @@ def aggregate(graph: CSRGraph, h: Union[CBSR, Tensor]) -> Tensor:
                       get_backend())
 
 
+def maxk_aggregate(x: Tensor, k: int, graph: CSRGraph, *, with_dense: bool = False
+                   ) -> Tuple[Tensor, CBSR, Optional[Tensor]]:
+    r"""``h = maxk(x, k)`` and ``aggregate(graph, h)`` in one op, with one
+    autograd node and one backward: what a MaxK conv's input step costs on
+    a small graph, where each node's host time counts.
+
+    Args:
+        x (torch.Tensor): ``[num_src, dim]`` features.
+        k (int): entries kept per row.
+        graph (CSRGraph): ``[num_dst, num_src]`` adjacency.
+        with_dense (bool): also return ``h``'s dense form.
+
+    Returns:
+        ``(graph @ h, h, h.to_dense() or None)``, each as :func:`aggregate`,
+        :func:`maxk` and :func:`to_dense` give it; gradients flow to ``x``
+        (through all three) and to the graph's edge values.
+    """
+    k = check_k(k)
+    _check_features(x)
+    if k >= x.size(1):  # every entry kept: the dense aggregation
+        h = maxk(x, k)
+        return aggregate(graph, h), h, (x if with_dense else None)
+    if x.size(0) != graph.num_src:
+        raise ValueError(f"The features have {x.size(0)} rows but the graph has "
+                         f"{graph.num_src} source nodes")
+    if x.device != graph.device:
+        raise ValueError(f"The features are on {x.device} but the graph is on "
+                         f"{graph.device}; move both to the same device")
+    agg, values, indices, dense = lib.maxk_aggregate(
+        x, k, *graph.operands(k), graph.num_dst, with_dense, get_backend())
+    return agg, CBSR(values, indices, x.size(1)), (dense if with_dense else None)
+
+
 def cbsr_linear(h: CBSR, weight: Tensor, bias: Tensor | None = None, *,
                 dense: Tensor | None = None, dense_weight: Tensor | None = None) -> Tensor:
     r"""``h.to_dense() @ weight.T + bias``, saving only the CBSR (``[N, k]``)
@@ -188,5 +222,5 @@ def _linear_is_dense(h: CBSR, weight: Tensor, bias: Tensor | None) -> bool:
             or torch.is_autocast_enabled(h.device.type))
 
 
-__all__ = ["maxk", "aggregate", "aggregation_dtype", "cbsr_linear", "check_k", "dtype_of",
-           "linear_backend", "to_dense"]
+__all__ = ["maxk", "aggregate", "maxk_aggregate", "aggregation_dtype", "cbsr_linear", "check_k",
+           "dtype_of", "linear_backend", "to_dense"]

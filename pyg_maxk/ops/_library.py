@@ -77,6 +77,9 @@ class KernelOp:
                 "forward": staticmethod(forward),
                 "backward": staticmethod(backward),
             })
+            # The C++ apply under Function.apply, whose Python wrapper (functorch
+            # checks, a pass over the arguments) costs host time on every call.
+            self._apply = super(torch.autograd.Function, self.function).apply
 
     def __call__(self, *args):
         # Dynamo, a tracing mode (AOTAutograd, fake tensors, make_fx) and
@@ -91,7 +94,9 @@ class KernelOp:
                     return self.op(*args)
                 needs_grad = needs_grad or a.requires_grad
         if needs_grad and self.function is not None and torch.is_grad_enabled():
-            return self.function.apply(*args)
+            if torch._C._are_functorch_transforms_active():
+                return self.function.apply(*args)
+            return self._apply(*args)
         return self.impl(*args)
 
     def __repr__(self) -> str:
@@ -99,8 +104,6 @@ class KernelOp:
 
 
 _PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
-
-
 
 
 def _densify(requested: str, values: Tensor, dim: int):
@@ -244,6 +247,76 @@ sddmm = KernelOp("sddmm", _sddmm, _sddmm_fake)
 spgemm = KernelOp("spgemm", _spgemm, _spgemm_fake, _spgemm_setup, _spgemm_backward)
 
 
+# ----------------------------------------------- select + aggregation
+def _maxk_aggregate(x: Tensor, k: int, index: Tensor, weight: Optional[Tensor],
+                    weight_t: Optional[Tensor], layout: List[int], num_dst: int,
+                    with_dense: bool, backend: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    dim = x.size(1)
+    values, indices = _maxk_select(x, k, backend)
+    agg = _spgemm(index, weight, weight_t, layout, values, indices, num_dst, dim, backend)
+    dense = _cbsr_to_dense(values, indices, dim, backend) if with_dense else x.new_empty(0)
+    return agg, values, indices, dense
+
+
+def _maxk_aggregate_fake(x, k, index, weight, weight_t, layout, num_dst, with_dense, backend):
+    values, indices = _maxk_select_fake(x, k, backend)
+    agg = _spgemm_fake(index, weight, weight_t, layout, values, indices, num_dst, x.size(1),
+                       backend)
+    return agg, values, indices, x.new_empty(x.shape if with_dense else (0,))
+
+
+def _maxk_aggregate_setup(ctx, inputs, output) -> None:
+    x, graph, backend = inputs[0], inputs[2:2 + NUM_GRAPH_ARGS], inputs[-1]
+    ctx.set_materialize_grads(False)  # unused outputs cost no zero-filled gradient
+    ctx.dim, ctx.values_dtype, ctx.backend = x.size(1), x.dtype, backend
+    ctx.with_dense = inputs[-2]
+    ctx.layout = graph[-1]
+    tensors = graph[:-1]
+    ctx.present = [t is not None for t in tensors]
+    weight = graph[_WEIGHT_ARG]
+    ctx.weight_grad = weight is not None and weight.requires_grad
+    values, indices = output[1], output[2]
+    ctx.save_for_backward(indices, values if ctx.weight_grad else None,
+                          *[t for t in tensors if t is not None])
+
+
+def _maxk_aggregate_backward(ctx, grad_agg, grad_values, grad_indices, grad_dense):
+    # The gradient of the kept values: the SSpMM of the aggregation's, plus
+    # the CBSR's and the dense form's own; then densified into x's shape.
+    indices, values, *present = ctx.saved_tensors
+    graph = [present.pop(0) if p else None for p in ctx.present] + [ctx.layout]
+    need = ctx.needs_input_grad
+    grad_x = grad_weight = None
+    if grad_agg is not None:
+        grad_agg = grad_agg.contiguous()
+        if ctx.weight_grad and need[2 + _WEIGHT_ARG]:
+            weight = graph[_WEIGHT_ARG]
+            grad_weight = sddmm(*graph, values, indices, grad_agg, ctx.backend).to(weight.dtype)
+    if need[0]:
+        grad = None
+        if grad_agg is not None:
+            grad = as_dtype(sspmm(*graph, indices, grad_agg, indices.size(0), ctx.backend),
+                            ctx.values_dtype)
+        if grad_values is not None:
+            grad = grad_values if grad is None else grad + grad_values
+        if grad_dense is not None and ctx.with_dense:
+            # torch's gather: less host time than a kernel launch here.
+            sampled = grad_dense.gather(1, indices.long())
+            grad = sampled if grad is None else grad + sampled
+        if grad is not None:
+            grad_x = cbsr_to_dense(grad.contiguous(), indices, ctx.dim, ctx.backend)
+    grads = [None] * NUM_GRAPH_ARGS
+    grads[_WEIGHT_ARG] = grad_weight
+    return (grad_x, None, *grads, None, None, None)
+
+
+#: MaxK and the aggregation of its CBSR (and, asked for, its dense form) as
+#: one op: one autograd node where :data:`maxk_select` and :data:`spgemm`
+#: make two, and small graphs are bound by host time per node.
+maxk_aggregate = KernelOp("maxk_aggregate", _maxk_aggregate, _maxk_aggregate_fake,
+                          _maxk_aggregate_setup, _maxk_aggregate_backward)
+
+
 def _spmm(rowptr: Tensor, col: Tensor, weight: Optional[Tensor], dense: Tensor, num_src: int,
           transpose: bool) -> Tensor:
     return torch_ops.spmm(rowptr, col, weight, dense, num_src, transpose)
@@ -376,5 +449,5 @@ cbsr_linear = KernelOp("cbsr_linear", _cbsr_linear, _cbsr_linear_fake, _cbsr_lin
                        _cbsr_linear_backward)
 
 #: Every op of this module, for tests (opcheck) and docs.
-ALL_OPS = (maxk_select, cbsr_to_dense, spgemm, sspmm, sddmm, spmm, cbsr_linear,
-           cbsr_linear_backward)
+ALL_OPS = (maxk_select, cbsr_to_dense, spgemm, maxk_aggregate, sspmm, sddmm, spmm,
+           cbsr_linear, cbsr_linear_backward)
