@@ -14,9 +14,13 @@ cross-entropy, Adam) of SAGE, GCN and GIN on a Cora-sized graph, MaxK k=32
 against the stock ReLU model, timed round-robin: on a fixed graph (stock in
 each form: ``edge_index`` and a ``torch.sparse`` CSR ``adj_t``; the fastest
 is named) and with a new ``edge_index`` tensor every step (as mini-batches
-give; stock on ``edge_index``). On a GPU also the host syncs
+give; stock on ``edge_index``). On the fixed graph also the stock step in
+each form with PyG's ``propagate`` as the identity (no aggregation at all):
+the fastest stock step over that of its form bounds what a faster
+aggregation alone can gain there. On a GPU also the host syncs
 (``torch.cuda.set_sync_debug_mode``, with the package's lines that sync) and
-kernel launches per step.
+kernel launches per step. On a CPU, denormal floats are flushed to zero
+on both sides, as in ``train.py``.
 
 Writes ``benchmarks/results/overhead[-tiny].json`` and ``.png``.
 """
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import time
 import traceback
@@ -33,14 +38,19 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from common import RESULTS, environment, paired_speedup, pyplot, rel_error, save, time_interleaved
+from torch_geometric.nn import MessagePassing
 from train import adjacency
 
 import pyg_maxk
 from pyg_maxk import CSRGraph
 from pyg_maxk.app.datasets import PRESETS, power_law_edge_index, preset_dataset
+from pyg_maxk.app.training import flush_denormals
 from pyg_maxk.nn import MaxKGCN, MaxKGIN, MaxKGraphSAGE
 
 STEP_MODELS = {"sage": MaxKGraphSAGE, "gcn": MaxKGCN, "gin": MaxKGIN}
+#: The stock model's step with PyG's ``propagate`` as the identity (and the
+#: stock form after it).
+NO_MESSAGE_PASSING = "no message passing, stock"
 
 
 def host_us(fn, device, n=200) -> float:
@@ -80,6 +90,7 @@ def main(argv=None):
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
     dev = torch.device("cpu" if args.tiny else "cuda")
+    flush_denormals(dev)  # as train.py and `pyg-maxk train`: both sides alike
     backend = "cpu" if args.tiny else "numba"
     results = {"backend": backend}
     ei = power_law_edge_index(1000, 5000, seed=0, device=dev)
@@ -91,6 +102,8 @@ def main(argv=None):
         results["host_us_maxk_select"] = host_us(lambda: pyg_maxk.maxk(x, 32), dev)
         results["host_us_spgemm"] = host_us(lambda: pyg_maxk.aggregate(g, h), dev)
         results["host_us_to_dense"] = host_us(lambda: h.to_dense(), dev)
+        results["host_us_maxk_aggregate"] = host_us(
+            lambda: pyg_maxk.ops.maxk_aggregate(x, 32, g), dev)
         results.update(forward_backward_host_us(g, x, dev))
     results["host_us_torch_topk"] = host_us(lambda: torch.topk(x, 32, dim=1), dev)
     results["host_us_torch_sparse_spmm"] = host_us(
@@ -120,6 +133,9 @@ def forward_backward_host_us(g, x, dev) -> dict:
         "maxk_select": lambda: pyg_maxk.maxk(xg, 32).values.backward(ones[:, :32]),
         "spgemm": lambda: pyg_maxk.aggregate(g, h.with_values(values)).backward(ones),
         "to_dense": lambda: pyg_maxk.ops.to_dense(h.with_values(values)).backward(ones),
+        "maxk_aggregate": lambda: pyg_maxk.ops.maxk_aggregate(xg, 32, g)[0].backward(ones),
+        "maxk_select_then_spgemm": lambda: pyg_maxk.aggregate(g, pyg_maxk.maxk(xg, 32))
+        .backward(ones),
         "cbsr_linear": lambda: pyg_maxk.ops.cbsr_linear(h.with_values(values), w)
         .backward(ones),
         "torch_topk": lambda: torch.topk(xg, 32, dim=1).values.backward(ones[:, :32]),
@@ -129,15 +145,31 @@ def forward_backward_host_us(g, x, dev) -> dict:
     return {f"host_us_fwd_bwd_{name}": host_us(fn, dev) for name, fn in cases.items()}
 
 
-def _train_step(model, x, adj_of, y):
-    """One step of ``model``; ``adj_of()`` gives the adjacency of each step."""
+def _train_step(model, x, adj_of, y, without_message_passing=False):
+    """One step of ``model``; ``adj_of()`` gives the adjacency of each step.
+    ``without_message_passing``: PyG's ``propagate`` returns its input
+    features unchanged (a stock model's step minus its aggregations)."""
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
 
     def step():
         opt.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x, adj_of()), y).backward()
+        with _identity_propagate() if without_message_passing else contextlib.nullcontext():
+            F.cross_entropy(model(x, adj_of()), y).backward()
         opt.step()
     return step
+
+
+@contextlib.contextmanager
+def _identity_propagate():
+    def propagate(self, edge_index, size=None, **kwargs):
+        x = kwargs["x"]
+        return x[0] if isinstance(x, tuple) else x
+    original = MessagePassing.propagate
+    MessagePassing.propagate = propagate
+    try:
+        yield
+    finally:
+        MessagePassing.propagate = original
 
 
 def host_syncs(step) -> dict:
@@ -197,6 +229,9 @@ def small_graph_steps(dev, backend: str, scale: float, rounds: int) -> dict:
                     continue
                 steps[f"stock {form}"] = _train_step(
                     model(None), x, (lambda: ei.clone()) if new else (lambda a=adj: a), y)
+                if not new:
+                    steps[f"{NO_MESSAGE_PASSING} {form}"] = _train_step(
+                        model(None), x, lambda a=adj: a, y, without_message_passing=True)
             with pyg_maxk.use_backend(backend):
                 times = time_interleaved(steps, dev, rounds=rounds, per_round=5, warmup=5)
                 entry = {"times": times}
@@ -205,15 +240,25 @@ def small_graph_steps(dev, backend: str, scale: float, rounds: int) -> dict:
                 fastest = min(stock, key=stock.get)
                 entry["fastest_stock"] = fastest[len("stock "):]
                 entry["speedup"] = paired_speedup(times[fastest], times["maxk k=32"])
+                floor = f"{NO_MESSAGE_PASSING} {entry['fastest_stock']}"
+                if floor in times:
+                    # What removing every aggregation of the fastest stock
+                    # step would gain: a bound on what a faster aggregation
+                    # alone gains (GCN's MaxK also skips stock's per-step
+                    # normalisation, which stays in this step).
+                    entry["speedup_without_message_passing"] = paired_speedup(
+                        times[fastest], times[floor])
                 if dev.type == "cuda":
                     for name, step in steps.items():
                         entry.setdefault("syncs", {})[name] = host_syncs(step)
                         entry.setdefault("launches", {})[name] = kernel_launches(step)
             table[f"{kind} {scenario}"] = entry
             s = entry["speedup"]
+            bound = entry.get("speedup_without_message_passing")
             print(f"{kind:4s} {scenario:11s}: MaxK {times['maxk k=32']['median_ms']:.3f} ms, "
                   f"stock {entry['fastest_stock']} {stock[fastest]:.3f} ms: "
                   f"{s['speedup']:.2f}x ({s['ci95'][0]:.2f}-{s['ci95'][1]:.2f})"
+                  + (f"; without message passing {bound['speedup']:.2f}x" if bound else "")
                   + (f"; syncs {entry['syncs']['maxk k=32']['count']} vs "
                      f"{entry['syncs'][fastest]['count']}, launches "
                      f"{entry['launches']['maxk k=32']} vs {entry['launches'][fastest]}"
@@ -231,6 +276,13 @@ def plot_steps(steps: dict, hardware: str, path) -> None:
               [steps[label]["speedup"]["ci95"][1] - s for label, s in zip(labels, speedups)]]
     fig, ax = plt.subplots(figsize=(8, 4))
     ax.bar(range(len(labels)), speedups, yerr=errors, color="tab:green")
+    bounds = [(i, steps[label]["speedup_without_message_passing"]["speedup"])
+              for i, label in enumerate(labels)
+              if "speedup_without_message_passing" in steps[label]]
+    if bounds:
+        ax.scatter(*zip(*bounds), marker="_", s=400, color="black",
+                   label="stock without message passing (bound)")
+        ax.legend(fontsize=8)
     ax.axhline(1, color="grey", lw=0.8)
     ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("MaxK speedup over the fastest stock form")
