@@ -182,35 +182,54 @@ def _spgemm_fake(index, weight, weight_t, layout, values, indices, num_dst, dim,
         values.dtype, weight_dtype, layout_dtype(layout, "row_scale")))
 
 
-def _spgemm_setup(ctx, inputs, output) -> None:
-    graph, (values, indices, _, _, backend) = inputs[:NUM_GRAPH_ARGS], inputs[NUM_GRAPH_ARGS:]
-    ctx.num_src = values.size(0)
-    ctx.values_dtype = values.dtype
-    ctx.backend = backend
+def _save_with_graph(ctx, graph, values: Tensor, indices: Tensor) -> None:
+    """Save the CBSR ``indices``, its ``values`` where the edge values need a
+    gradient (their SDDMM reads them), and the graph arguments present."""
     ctx.layout = graph[-1]
     tensors = graph[:-1]
     ctx.present = [t is not None for t in tensors]
     weight = graph[_WEIGHT_ARG]
-    # The edge values' gradient (an SDDMM) needs the CBSR values too.
     ctx.weight_grad = weight is not None and weight.requires_grad
     ctx.save_for_backward(indices, values if ctx.weight_grad else None,
                           *[t for t in tensors if t is not None])
 
 
-def _spgemm_backward(ctx, grad_out):
+def _saved_with_graph(ctx):
+    """``(indices, values or None, graph arguments)`` of :func:`_save_with_graph`."""
     indices, values, *present = ctx.saved_tensors
-    graph = [present.pop(0) if p else None for p in ctx.present] + [ctx.layout]
+    present = iter(present)
+    return indices, values, [next(present) if p else None for p in ctx.present] + [ctx.layout]
+
+
+def _graph_grads(ctx, graph, values: Tensor, indices: Tensor, grad_out: Tensor) -> list:
+    """The gradients of the graph arguments: the edge values' (an SDDMM)
+    where they need one, None elsewhere."""
+    grads = [None] * NUM_GRAPH_ARGS
+    if ctx.weight_grad and ctx.needs_input_grad[ctx.graph_at + _WEIGHT_ARG]:
+        weight = graph[_WEIGHT_ARG]
+        grads[_WEIGHT_ARG] = sddmm(*graph, values, indices, grad_out,
+                                   ctx.backend).to(weight.dtype)
+    return grads
+
+
+def _spgemm_setup(ctx, inputs, output) -> None:
+    graph, (values, indices, _, _, backend) = inputs[:NUM_GRAPH_ARGS], inputs[NUM_GRAPH_ARGS:]
+    ctx.num_src = values.size(0)
+    ctx.values_dtype = values.dtype
+    ctx.backend = backend
+    ctx.graph_at = 0  # position of the graph arguments among the inputs
+    _save_with_graph(ctx, graph, values, indices)
+
+
+def _spgemm_backward(ctx, grad_out):
+    indices, values, graph = _saved_with_graph(ctx)
     grad_out = grad_out.contiguous()
-    grad_values = grad_weight = None
+    grad_values = None
     if ctx.needs_input_grad[NUM_GRAPH_ARGS]:
         grad_values = as_dtype(sspmm(*graph, indices, grad_out, ctx.num_src, ctx.backend),
                                ctx.values_dtype)
-    if ctx.weight_grad and ctx.needs_input_grad[_WEIGHT_ARG]:
-        weight = graph[_WEIGHT_ARG]
-        grad_weight = sddmm(*graph, values, indices, grad_out, ctx.backend).to(weight.dtype)
-    grads = [None] * NUM_GRAPH_ARGS
-    grads[_WEIGHT_ARG] = grad_weight
-    return (*grads, grad_values, None, None, None, None)
+    return (*_graph_grads(ctx, graph, values, indices, grad_out), grad_values, None, None,
+            None, None)
 
 
 def _sspmm(index: Tensor, weight: Optional[Tensor], weight_t: Optional[Tensor],
@@ -270,29 +289,20 @@ def _maxk_aggregate_setup(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)  # unused outputs cost no zero-filled gradient
     ctx.dim, ctx.values_dtype, ctx.backend = x.size(1), x.dtype, backend
     ctx.with_dense = inputs[-2]
-    ctx.layout = graph[-1]
-    tensors = graph[:-1]
-    ctx.present = [t is not None for t in tensors]
-    weight = graph[_WEIGHT_ARG]
-    ctx.weight_grad = weight is not None and weight.requires_grad
-    values, indices = output[1], output[2]
-    ctx.save_for_backward(indices, values if ctx.weight_grad else None,
-                          *[t for t in tensors if t is not None])
+    ctx.graph_at = 2
+    _save_with_graph(ctx, graph, output[1], output[2])
 
 
 def _maxk_aggregate_backward(ctx, grad_agg, grad_values, grad_indices, grad_dense):
     # The gradient of the kept values: the SSpMM of the aggregation's, plus
     # the CBSR's and the dense form's own; then densified into x's shape.
-    indices, values, *present = ctx.saved_tensors
-    graph = [present.pop(0) if p else None for p in ctx.present] + [ctx.layout]
-    need = ctx.needs_input_grad
-    grad_x = grad_weight = None
+    indices, values, graph = _saved_with_graph(ctx)
+    grads = [None] * NUM_GRAPH_ARGS
     if grad_agg is not None:
         grad_agg = grad_agg.contiguous()
-        if ctx.weight_grad and need[2 + _WEIGHT_ARG]:
-            weight = graph[_WEIGHT_ARG]
-            grad_weight = sddmm(*graph, values, indices, grad_agg, ctx.backend).to(weight.dtype)
-    if need[0]:
+        grads = _graph_grads(ctx, graph, values, indices, grad_agg)
+    grad_x = None
+    if ctx.needs_input_grad[0]:
         grad = None
         if grad_agg is not None:
             grad = as_dtype(sspmm(*graph, indices, grad_agg, indices.size(0), ctx.backend),
@@ -305,8 +315,6 @@ def _maxk_aggregate_backward(ctx, grad_agg, grad_values, grad_indices, grad_dens
             grad = sampled if grad is None else grad + sampled
         if grad is not None:
             grad_x = cbsr_to_dense(grad.contiguous(), indices, ctx.dim, ctx.backend)
-    grads = [None] * NUM_GRAPH_ARGS
-    grads[_WEIGHT_ARG] = grad_weight
     return (grad_x, None, *grads, None, None, None)
 
 
