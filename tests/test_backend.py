@@ -116,6 +116,48 @@ def test_driver_launch_hands_the_packed_fields_to_the_driver():
     assert seen == [(77, 6, 128, 1000, fields), (77, 2, 64, 1001, later)]
 
 
+def test_prepared_launch_writes_each_calls_pointers_and_keeps_the_rest():
+    # A prepared launch packs its arguments once; a call writes the data
+    # pointers of the tensors given for the variable positions, and the
+    # driver sees exactly the fields a full launch with those tensors packs.
+    import ctypes
+
+    from pyg_maxk.ops._launch import (
+        Launcher,
+        _DriverLaunch,
+        _PackedLaunch,
+        ctypes_launch,
+        params_and_types,
+        pointer_fields,
+    )
+
+    seen = []
+
+    def fake_cu_launch_kernel(handle, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        size = ctypes.c_size_t.from_address(extra[3]).value
+        seen.append((handle, gx, bx, stream,
+                     list((ctypes.c_int64 * (size // 8)).from_address(extra[1]))))
+        return 0
+
+    run = Launcher.__new__(Launcher)  # a fake driver, no GPU
+    run._driver = _DriverLaunch(ctypes_launch(fake_cu_launch_kernel), lambda index: 1000 + index)
+    run._multi_gpu = False
+    kernel = object()
+    static, t, u = torch.zeros(9, dtype=torch.int32), torch.zeros(3, 5), torch.zeros(7)
+    args = (static, t, 4, u, 11)
+    fields, types = params_and_types(args)
+    run._packed = {(id(kernel), 2, types): _PackedLaunch(77, len(fields))}
+    device = torch.device("cuda", 2)
+    assert pointer_fields(args, (1, 3)) == (7 + 4, 7 + 9 + 1 + 4)
+    assert Launcher.prepare(run, object(), 6, 128, device, args, (1, 3)) is None  # not launched
+    launch = Launcher.prepare(run, kernel, 6, 128, device, args, (1, 3))
+    t2, u2 = torch.ones(3, 5), torch.ones(7)
+    launch(t2, u2)
+    launch(t, u)
+    assert seen == [(77, 6, 128, 1002, params_and_types((static, t2, 4, u2, 11))[0]),
+                    (77, 6, 128, 1002, fields)]
+
+
 def test_bindings_launch_hands_the_packed_buffer_to_the_driver():
     # Through cuda.bindings: the kernel's CUfunction, the stream wrapped as a
     # CUstream, no kernelParams, and the address of the packed buffer's

@@ -29,8 +29,10 @@ from helpers import (
     random_cbsr,
     random_edge_index,
     sparse_tensor_on_cuda_or_skip,
+    split_items,
 )
 from pyg_maxk import CSRGraph
+from pyg_maxk.graph import unpack
 from pyg_maxk.kernels import geometry
 from pyg_maxk.ops import numba_ops
 
@@ -566,3 +568,41 @@ def test_an_out_of_range_edge_index_on_a_gpu_is_a_device_side_assert():
                             timeout=300)
     assert result.returncode != 0
     assert "device-side assert" in result.stderr or "edge_index holds" in result.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("normalization", ["sum", "mean", "gcn", "learnable"])
+def test_repeated_calls_read_their_own_tensors(dtype, normalization):
+    # From the second call on inputs of one kind an op patches its tensors'
+    # pointers into launches prepared on the first: every call must read
+    # its own features (and edge values) and write its own outputs, a hub
+    # row split over work items included.
+    graph = power_law_graph(num_nodes=3000, avg_degree=8, max_degree=2000, seed=2,
+                            normalization="sum" if normalization == "learnable" else normalization)
+    graph.prepare(16)  # the graphs of other edge values share its operands
+    for seed in range(3):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        weights = None
+        if normalization == "learnable":
+            weights = torch.rand(graph.num_edges, device="cuda", generator=gen).requires_grad_()
+        grads = [torch.randn(graph.num_dst, 64, device="cuda", generator=gen, dtype=dtype)
+                 for _ in range(2)]
+        x = torch.randn(graph.num_src, 64, device="cuda", generator=gen, dtype=dtype)
+        results = []
+        for backend in ("numba", "torch"):
+            poison_allocator()
+            xb = x.clone().requires_grad_()
+            wb = None if weights is None else weights.detach().clone().requires_grad_()
+            g = graph if wb is None else graph.with_weight(wb, "sum")
+            with pyg_maxk.use_backend(backend):
+                agg, _, dense = pyg_maxk.ops.maxk_aggregate(xb, 16, g, with_dense=True)
+                ((agg.float() * grads[0]).sum() + (dense.float() * grads[1]).sum()).backward()
+            results.append((agg.float(), dense.float(), xb.grad.float(),
+                            None if wb is None else wb.grad))
+        tol = dict(rtol=2e-2, atol=2e-2) if dtype != torch.float32 else dict(rtol=1e-4, atol=1e-4)
+        for ours, ref in zip(*results):
+            if ref is not None:
+                torch.testing.assert_close(ours, ref, **tol)
+    assert int(split_items(graph, 16).count_nonzero()) > 0
+    if numba_ops.launcher()._driver is not None:
+        assert numba_ops._PLANS and numba_ops._graph_plans(unpack(*graph.operands(16)))

@@ -113,10 +113,14 @@ def _bindings_launch(driver) -> Callable:
     """A launch through NVIDIA's Python driver bindings (``cuda.bindings``):
     a compiled call with no per-argument ctypes conversions."""
     cu_launch_kernel, stream_of = driver.cuLaunchKernel, driver.CUstream
+    streams: dict = {}  # raw stream -> its binding object, built once
 
     def launch(packed: _PackedLaunch, blocks: int, threads: int, stream: int) -> int:
-        (err,) = cu_launch_kernel(packed.function, blocks, 1, 1, threads, 1, 1, 0,
-                                  stream_of(stream), 0, packed.extra_address)
+        handle = streams.get(stream)
+        if handle is None:
+            handle = streams[stream] = stream_of(stream)
+        (err,) = cu_launch_kernel(packed.function, blocks, 1, 1, threads, 1, 1, 0, handle, 0,
+                                  packed.extra_address)
         return int(err)
     return launch
 
@@ -166,12 +170,66 @@ class _DriverLaunch:
                  fields: list) -> None:
         with self._lock:
             packed.packer.pack_into(packed.buffer, 0, *fields)
-            err = self._launch(packed, blocks, threads, self._raw_stream(index))
-            if err == _CUDA_ERROR_INVALID_CONTEXT:
-                torch.cuda.set_device(index)  # a thread without a current context
-                err = self._launch(packed, blocks, threads, self._raw_stream(index))
+            err = self._launch_on(packed, blocks, threads, index)
         if err:
             raise RuntimeError(f"cuLaunchKernel failed with CUresult {err}")
+
+    def patched(self, packed: _PackedLaunch, pointers: Tuple[int, ...], tensors, blocks: int,
+                threads: int, index: int) -> None:
+        """Launch ``packed`` with the data pointers of ``tensors`` written
+        at the fields ``pointers`` of its buffer (the rest as packed)."""
+        with self._lock:
+            buffer = packed.buffer
+            for field, t in zip(pointers, tensors):
+                buffer[field] = t.data_ptr()
+            err = self._launch_on(packed, blocks, threads, index)
+        if err:
+            raise RuntimeError(f"cuLaunchKernel failed with CUresult {err}")
+
+    def _launch_on(self, packed: _PackedLaunch, blocks: int, threads: int, index: int) -> int:
+        err = self._launch(packed, blocks, threads, self._raw_stream(index))
+        if err == _CUDA_ERROR_INVALID_CONTEXT:
+            torch.cuda.set_device(index)  # a thread without a current context
+            err = self._launch(packed, blocks, threads, self._raw_stream(index))
+        return err
+
+
+class PreparedLaunch:
+    """One kernel launch prepared for repeated calls: its grid and its
+    parameter buffer are packed once, and a call writes only the data
+    pointers of the tensors that change between calls (``variable`` when
+    prepared) before the driver's launch. Each tensor passed must have the
+    shape, strides and type of the one it replaces; the other tensors it
+    was prepared with must outlive it (their pointers stay in the buffer).
+    What an op on a small graph, bound by host time, launches with."""
+
+    __slots__ = ("_launcher", "_packed", "_pointers", "_blocks", "_threads", "_index")
+
+    def __init__(self, launcher: "Launcher", packed: _PackedLaunch, pointers: Tuple[int, ...],
+                 blocks: int, threads: int, index: int) -> None:
+        self._launcher, self._packed, self._pointers = launcher, packed, pointers
+        self._blocks, self._threads, self._index = blocks, threads, index
+
+    def __call__(self, *tensors: Tensor) -> None:
+        run = self._launcher
+        if run._multi_gpu:
+            with run._on(self._index):
+                run._driver.patched(self._packed, self._pointers, tensors, self._blocks,
+                                    self._threads, self._index)
+        else:
+            run._driver.patched(self._packed, self._pointers, tensors, self._blocks,
+                                self._threads, self._index)
+
+
+def pointer_fields(args, variable) -> Tuple[int, ...]:
+    """The positions, among the parameter fields of ``args``, of the data
+    pointers of the tensors at ``variable`` (positions in ``args``)."""
+    starts = []
+    at = 0
+    for a in args:
+        starts.append(at)
+        at += 5 + 2 * a.dim() if isinstance(a, Tensor) else 1
+    return tuple(starts[i] + 4 for i in variable)
 
 
 class Launcher:
@@ -238,6 +296,24 @@ class Launcher:
                 numba_types = tuple(kernel.typeof_pyval(a) for a in arrays)
                 self._packed[key] = self._driver.prepare(kernel.overloads[numba_types],
                                                          len(fields))
+
+    def prepare(self, kernel, blocks: int, threads: int, device: torch.device, args,
+                variable) -> Optional[PreparedLaunch]:
+        """A :class:`PreparedLaunch` of ``kernel[blocks, threads](*args)``
+        whose tensors at the positions ``variable`` change per call; None
+        where launches take Numba's path, or before a first launch of this
+        specialisation (which compiles it)."""
+        if self._driver is None:
+            return None
+        index = device_index(device)
+        fields, types = params_and_types(args)
+        shared = self._packed.get((id(kernel), index, types))
+        if shared is None:
+            return None
+        packed = _PackedLaunch(shared.handle, len(fields), shared.function)
+        packed.packer.pack_into(packed.buffer, 0, *fields)
+        return PreparedLaunch(self, packed, pointer_fields(args, variable), blocks, threads,
+                              index)
 
     # ----------------------------------------------------------- Numba's path
     def _array(self, t: Tensor):

@@ -145,12 +145,15 @@ def _maxk_select_fake(x, k, backend):
 
 def _maxk_select_setup(ctx, inputs, output) -> None:
     x, _, backend = inputs
+    ctx.set_materialize_grads(False)  # no zero-filled gradient of the indices
     ctx.dim = x.size(1)
     ctx.backend = backend
     ctx.save_for_backward(output[1])
 
 
 def _maxk_select_backward(ctx, grad_values, grad_indices):
+    if grad_values is None:
+        return None, None, None
     (indices,) = ctx.saved_tensors
     grad_x = cbsr_to_dense(grad_values.contiguous(), indices, ctx.dim, ctx.backend)
     return grad_x, None, None

@@ -53,7 +53,7 @@ from ..kernels.spgemm import (
     zeroed_rows_kernel,
 )
 from ._common import as_dtype, spgemm_dtype
-from ._launch import device_index, launcher
+from ._launch import PreparedLaunch, device_index, launcher
 
 KERNEL_DTYPE = torch.float32
 UINT32_MAX = 2**32 - 1
@@ -85,6 +85,45 @@ def _kernel_input(t: Tensor) -> Tensor:
     return as_dtype(t, KERNEL_DTYPE).contiguous()
 
 
+# ------------------------------------------------------- prepared launches
+# An op's launch is prepared (:class:`~._launch.PreparedLaunch`) on its first
+# call for inputs of one kind, and later calls of that kind patch in their
+# tensors' pointers and launch: no kernel lookup, geometry or argument
+# packing per call, which is most of an op's host time on a small graph.
+# A kind is every input property the kernel, its grid and its arguments'
+# shapes depend on. Ops on a graph keep their launches with the graph's
+# arrays (:func:`_graph_plans`), the others in :data:`_PLANS`.
+
+#: Prepared launches of the ops that take no graph, by kind.
+_PLANS: dict = {}
+#: Kinds kept at most (a new graph per batch brings new row counts).
+MAX_PLANS = 1024
+
+
+def _remember(plans: dict, key, launch: Optional[PreparedLaunch]) -> None:
+    if launch is not None:
+        if len(plans) >= MAX_PLANS:
+            plans.clear()
+        plans[key] = launch
+
+
+def _graph_plans(g: GraphOperands) -> dict:
+    """The prepared launches of the ops on graph ``g``, kept on its work
+    schedule's array: they hold pointers into the graph's buffer, so they
+    live as long as it does, and no longer."""
+    plans = getattr(g.item_row, "_pyg_maxk_plans", None)
+    if plans is None:
+        plans = g.item_row._pyg_maxk_plans = {}
+    return plans
+
+
+def _aligned(*tensors: Tensor) -> bool:
+    """Whether every tensor is contiguous and 16-byte aligned: the kind of
+    input whose vector widths (:func:`_index_operand`) a prepared launch
+    may assume."""
+    return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors)
+
+
 # --------------------------------------------------------------- maxk ops
 def _row_launch(num_rows: int, device: torch.device):
     """(launcher, rows per block, threads, blocks) for the warp-per-row kernels."""
@@ -106,10 +145,18 @@ def maxk_select(x: Tensor, k: int) -> Tuple[Tensor, Tensor]:
     values = torch.empty(n, k, dtype=x.dtype if half else KERNEL_DTYPE, device=x.device)
     indices = torch.empty(n, k, dtype=index_dtype_for(dim), device=x.device)
     if n > 0:
-        run, rows_per_block, threads, blocks = _row_launch(n, x.device)
-        kernel = select_kernel(dim, k, rows_per_block, _has_redux(x.device), half)
-        x_bits = xk if half else xk.view(torch.int32)
-        run(kernel, blocks, threads, x.device, xk, x_bits, _kernel_input(values), indices, n)
+        target = _kernel_input(values)
+        key = ("select", n, dim, k, x.dtype, x.device)
+        launch = _PLANS.get(key)
+        if launch is not None:
+            launch(xk, xk, target, indices)
+        else:
+            run, rows_per_block, threads, blocks = _row_launch(n, x.device)
+            kernel = select_kernel(dim, k, rows_per_block, _has_redux(x.device), half)
+            args = (xk, xk if half else xk.view(torch.int32), target, indices, n)
+            run(kernel, blocks, threads, x.device, *args)
+            _remember(_PLANS, key, run.prepare(kernel, blocks, threads, x.device, args,
+                                               (0, 1, 2, 3)))
     return as_dtype(values, x.dtype), indices
 
 
@@ -122,12 +169,20 @@ def cbsr_to_dense(values: Tensor, indices: Tensor, dim: int) -> Tensor:
     dense = torch.empty(n, dim, dtype=values.dtype if half else KERNEL_DTYPE,
                         device=values.device)  # rows written whole
     if n > 0:
-        run, rows_per_block, threads, blocks = _row_launch(n, values.device)
-        pairs = stores_pairs(bool(half), dim)
-        target = _kernel_input(dense)
-        run(densify_kernel(dim, k, rows_per_block, bool(half)), blocks, threads, values.device,
-            _kernel_input(values), indices.contiguous(),
-            target.view(torch.int32) if pairs else target, n)
+        source, indices = _kernel_input(values), indices.contiguous()
+        key = ("densify", n, dim, k, values.dtype, indices.dtype, values.device)
+        launch = _PLANS.get(key)
+        if launch is not None:
+            launch(source, indices, dense)
+        else:
+            run, rows_per_block, threads, blocks = _row_launch(n, values.device)
+            kernel = densify_kernel(dim, k, rows_per_block, bool(half))
+            target = _kernel_input(dense)
+            args = (source, indices, target.view(torch.int32) if stores_pairs(bool(half), dim)
+                    else target, n)
+            run(kernel, blocks, threads, values.device, *args)
+            _remember(_PLANS, key, run.prepare(kernel, blocks, threads, values.device, args,
+                                               (0, 1, 2)))
     return as_dtype(dense, values.dtype)
 
 
@@ -285,8 +340,6 @@ def spgemm(g: GraphOperands, values: Tensor, indices: Tensor, num_dst: int,
     with a per-row scale (a mean without edge values) is aggregated
     unweighted and scaled once per output row. A half-precision result is
     written as such, each float32 sum rounded once."""
-    k = values.size(1)
-    check_cbsr_offsets(values.size(0), k, g.col.numel(), values.dtype)
     weight, row_scale = kernel_weights(g)
     out_dtype = spgemm_dtype(values, g)
     out_half = half_kind(out_dtype)
@@ -299,32 +352,59 @@ def spgemm(g: GraphOperands, values: Tensor, indices: Tensor, num_dst: int,
     num_zeroed = g.zeroed_rows.numel()
     out = torch.empty(num_dst + (num_zeroed > 0), dim,
                       dtype=out_dtype if out_half else KERNEL_DTYPE, device=values.device)
+    num_items = g.item_row.numel()
+    if num_items == 0:
+        return as_dtype(out, out_dtype)
+    plans = _graph_plans(g)
     # Without zeroed rows no item adds to `partial` (a bounded schedule's
     # padding items point at it, with no edges): no zero-fill.
     partial = (torch.zeros(num_zeroed, dim, dtype=KERNEL_DTYPE, device=values.device)
                if num_zeroed > 0 else torch.empty(1, dim, dtype=KERNEL_DTYPE,
                                                   device=values.device))
-    num_items = g.item_row.numel()
-    if num_items > 0:
+    weight_arg, scale_arg = _or_unread(weight, g.item_start), _or_unread(row_scale, g.item_start)
+    key = (("spgemm", values.shape, values.dtype, indices.dtype, dim, out_dtype,
+            weight is None, row_scale is None) if _aligned(values, indices) else None)
+    launch = plans.get(key)
+    if launch is not None:
+        launch(weight_arg, scale_arg, values, indices, out, partial)
+    else:
+        k = values.size(1)
+        check_cbsr_offsets(values.size(0), k, g.col.numel(), values.dtype)
         run, threads, blocks = _item_launch(num_items, values.device)
         flat, index_words, width, bits, pairs = _spgemm_operands(values, indices, g.col.numel())
         kernel = spgemm_kernel(dim, k, threads, weight is not None, row_scale is not None,
                                width, bits, pairs, half_kind(values.dtype), out_half)
-        run(kernel, blocks, threads, values.device, g.item_row, g.item_start, g.item_end,
-            g.item_split, g.col, _or_unread(weight, g.item_start),
-            _or_unread(row_scale, g.item_start), flat, index_words, _kernel_input(out),
-            partial, num_items)
+        args = (g.item_row, g.item_start, g.item_end, g.item_split, g.col, weight_arg,
+                scale_arg, flat, index_words, _kernel_input(out), partial, num_items)
+        run(kernel, blocks, threads, values.device, *args)
+        if key is not None and not pairs:
+            _remember(plans, key, run.prepare(kernel, blocks, threads, values.device, args,
+                                              (5, 6, 7, 8, 9, 10)))
     if num_zeroed > 0:
-        run = launcher()
-        threads = geometry.block_threads()
-        pairs = stores_pairs(bool(out_half), dim)
-        target = _kernel_input(out)
-        target = target.view(torch.int32) if pairs else target
-        stores = num_zeroed * target.size(1)
-        blocks = min(-(-stores // threads), run.max_blocks(values.device, threads))
-        run(zeroed_rows_kernel(out_half, pairs), blocks, threads, values.device, partial,
-            g.zeroed_rows, target, stores)
+        _store_zeroed_rows(g, plans, partial, out, out_half)
     return as_dtype(out.resize_(num_dst, dim), out_dtype)
+
+
+def _store_zeroed_rows(g: GraphOperands, plans: dict, partial: Tensor, out: Tensor,
+                       out_half: str) -> None:
+    """Store the float32 sums of the split rows (``partial``) into ``out``."""
+    dim = out.size(1)
+    key = ("zeroed rows", dim, out.dtype)
+    launch = plans.get(key)
+    if launch is not None:
+        launch(partial, out)
+        return
+    run = launcher()
+    threads = geometry.block_threads()
+    pairs = stores_pairs(bool(out_half), dim)
+    target = _kernel_input(out)
+    target = target.view(torch.int32) if pairs else target
+    stores = g.zeroed_rows.numel() * target.size(1)
+    blocks = min(-(-stores // threads), run.max_blocks(out.device, threads))
+    args = (partial, g.zeroed_rows, target, stores)
+    run(zeroed_rows_kernel(out_half, pairs), blocks, threads, out.device, *args)
+    _remember(plans, key, run.prepare(zeroed_rows_kernel(out_half, pairs), blocks, threads,
+                                      out.device, args, (0, 2)))
 
 
 def _or_unread(optional: Optional[Tensor], stand_in: Tensor) -> Tensor:
@@ -338,27 +418,40 @@ def sspmm(g: GraphOperands, indices: Tensor, grad_out: Tensor, num_src: int) -> 
     transposed graph at the CBSR pattern, per-edge float32 reductions, or
     packed half-precision ones where :func:`_reduces_in_half`."""
     k = indices.size(1)
-    dim = grad_out.size(1)
     weight, row_scale = kernel_weights(g)
     packed = _reduces_in_half(grad_out, indices)
     grad_values = torch.zeros(num_src, k, dtype=grad_out.dtype if packed else KERNEL_DTYPE,
                               device=grad_out.device)
     num_items = g.item_row.numel()
     if num_items > 0:
-        run, threads, blocks = _item_launch(num_items, grad_out.device)
-        if packed:  # words of 8 uint8 indices, or of 4 int16 ones read two at a time
-            index_words, width, bits = (indices.view(-1).view(torch.int64), PACKED_HALF_SLOTS,
-                                        8 * indices.element_size())
-        else:
-            index_words, width, bits = _index_operand(indices, sspmm_vector_width(k),
-                                                       grad_values)
-        kernel = sspmm_kernel(dim, k, threads, weight is not None, row_scale is not None,
-                              width, bits, _has_vector_atomics(grad_out.device),
-                              half_kind(grad_out.dtype), packed)
+        plans = _graph_plans(g)
+        source = _kernel_input(grad_out)
         out = grad_values.view(torch.int32) if packed else grad_values
-        run(kernel, blocks, threads, grad_out.device, g.item_row, g.item_start, g.item_end,
-            g.col, _or_unread(weight, g.item_start), _or_unread(row_scale, g.item_start),
-            index_words, _kernel_input(grad_out), out.view(-1), num_items)
+        weight_arg = _or_unread(weight, g.item_start)
+        scale_arg = _or_unread(row_scale, g.item_start)
+        key = (("sspmm", indices.shape, indices.dtype, grad_out.dtype, packed,
+                weight is None, row_scale is None) if _aligned(indices) else None)
+        launch = plans.get(key)
+        if launch is not None:
+            launch(weight_arg, scale_arg, indices, source, out)
+        else:
+            dim = grad_out.size(1)
+            run, threads, blocks = _item_launch(num_items, grad_out.device)
+            if packed:  # words of 8 uint8 indices, or of 4 int16 ones read two at a time
+                index_words, width, bits = (indices.view(-1).view(torch.int64),
+                                            PACKED_HALF_SLOTS, 8 * indices.element_size())
+            else:
+                index_words, width, bits = _index_operand(indices, sspmm_vector_width(k),
+                                                           grad_values)
+            kernel = sspmm_kernel(dim, k, threads, weight is not None, row_scale is not None,
+                                  width, bits, _has_vector_atomics(grad_out.device),
+                                  half_kind(grad_out.dtype), packed)
+            args = (g.item_row, g.item_start, g.item_end, g.col, weight_arg, scale_arg,
+                    index_words, source, out.view(-1), num_items)
+            run(kernel, blocks, threads, grad_out.device, *args)
+            if key is not None:
+                _remember(plans, key, run.prepare(kernel, blocks, threads, grad_out.device,
+                                                  args, (4, 5, 6, 7, 8)))
     return as_dtype(grad_values, grad_out.dtype)
 
 
@@ -398,7 +491,7 @@ def sddmm(g: GraphOperands, values: Tensor, indices: Tensor, grad_out: Tensor) -
 
 
 def _as_kernel_dtype(t: Optional[Tensor]) -> Optional[Tensor]:
-    return None if t is None else as_dtype(t, KERNEL_DTYPE)
+    return None if t is None else as_dtype(t, KERNEL_DTYPE).contiguous()
 
 
 def kernel_weights(g: GraphOperands) -> Tuple[Optional[Tensor], Optional[Tensor]]:
