@@ -84,17 +84,13 @@ def test_kernel_params_follow_numbas_array_layout():
                                         0, 0, 7, 1, u.data_ptr(), 7, 1]
 
 
-def test_driver_launch_hands_the_packed_fields_to_the_driver():
-    # Each launch repacks the kernel's reused buffer; the driver must see this
-    # launch's fields (and the buffer's size), not a previous launch's.
+def _recording_driver():
+    """A ``_DriverLaunch`` over a fake ``cuLaunchKernel`` (raw stream 1000 +
+    device index), and the list of what each launch handed it: ``(handle,
+    blocks, threads, stream, parameter fields)``."""
     import ctypes
 
-    from pyg_maxk.ops._launch import (
-        _DriverLaunch,
-        _PackedLaunch,
-        ctypes_launch,
-        params_and_types,
-    )
+    from pyg_maxk.ops._launch import _DriverLaunch, ctypes_launch
 
     seen = []
 
@@ -104,7 +100,15 @@ def test_driver_launch_hands_the_packed_fields_to_the_driver():
         seen.append((handle, gx, bx, stream, list(buffer)))
         return 0
 
-    driver = _DriverLaunch(ctypes_launch(fake_cu_launch_kernel), lambda index: 1000 + index)
+    return _DriverLaunch(ctypes_launch(fake_cu_launch_kernel), lambda index: 1000 + index), seen
+
+
+def test_driver_launch_hands_the_packed_fields_to_the_driver():
+    # Each launch repacks the kernel's reused buffer; the driver must see this
+    # launch's fields (and the buffer's size), not a previous launch's.
+    from pyg_maxk.ops._launch import _PackedLaunch, params_and_types
+
+    driver, seen = _recording_driver()
     t, u = torch.zeros(3, 5), torch.zeros(7, dtype=torch.uint8)
     fields, types = params_and_types([t, 4, u])
     assert types == ((torch.float32, 2), int, (torch.uint8, 1))
@@ -120,27 +124,10 @@ def test_prepared_launch_writes_each_calls_pointers_and_keeps_the_rest():
     # A prepared launch packs its arguments once; a call writes the data
     # pointers of the tensors given for the variable positions, and the
     # driver sees exactly the fields a full launch with those tensors packs.
-    import ctypes
-
-    from pyg_maxk.ops._launch import (
-        Launcher,
-        _DriverLaunch,
-        _PackedLaunch,
-        ctypes_launch,
-        params_and_types,
-        pointer_fields,
-    )
-
-    seen = []
-
-    def fake_cu_launch_kernel(handle, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
-        size = ctypes.c_size_t.from_address(extra[3]).value
-        seen.append((handle, gx, bx, stream,
-                     list((ctypes.c_int64 * (size // 8)).from_address(extra[1]))))
-        return 0
+    from pyg_maxk.ops._launch import Launcher, _PackedLaunch, params_and_types, pointer_fields
 
     run = Launcher.__new__(Launcher)  # a fake driver, no GPU
-    run._driver = _DriverLaunch(ctypes_launch(fake_cu_launch_kernel), lambda index: 1000 + index)
+    run._driver, seen = _recording_driver()
     run._multi_gpu = False
     kernel = object()
     static, t, u = torch.zeros(9, dtype=torch.int32), torch.zeros(3, 5), torch.zeros(7)
