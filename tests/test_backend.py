@@ -145,6 +145,25 @@ def test_prepared_launch_writes_each_calls_pointers_and_keeps_the_rest():
                     (77, 6, 128, 1002, fields)]
 
 
+def test_a_launch_is_prepared_on_the_second_call_of_its_kind():
+    # A kind seen once is only marked: inputs whose kind changes on every
+    # call (mini-batches of other sizes) never pay for a preparation.
+    from pyg_maxk.ops import numba_ops
+
+    plans, made = {}, []
+
+    def prepare():
+        made.append(1)
+        return "prepared"
+
+    numba_ops._remember(plans, "kind", prepare)
+    assert numba_ops._prepared(plans, "kind") is None and made == []
+    numba_ops._remember(plans, "kind", prepare)
+    assert numba_ops._prepared(plans, "kind") == "prepared" and made == [1]
+    numba_ops._remember(plans, None, prepare)  # no kind (e.g. unaligned input): not kept
+    assert None not in plans and made == [1]
+
+
 def test_bindings_launch_hands_the_packed_buffer_to_the_driver():
     # Through cuda.bindings: the kernel's CUfunction, the stream wrapped as a
     # CUstream, no kernelParams, and the address of the packed buffer's

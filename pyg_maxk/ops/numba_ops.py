@@ -20,7 +20,7 @@ the same kernels on CPU tensors.
 from __future__ import annotations
 
 import functools
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -100,11 +100,32 @@ _PLANS: dict = {}
 MAX_PLANS = 1024
 
 
-def _remember(plans: dict, key, launch: Optional[PreparedLaunch]) -> None:
-    if launch is not None:
-        if len(plans) >= MAX_PLANS:
-            plans.clear()
-        plans[key] = launch
+#: Marks a kind seen once. Its launch is prepared on its second call, so
+#: kinds that change on every call (mini-batches of other sizes, a graph's
+#: views made afresh per call) never pay for a preparation they cannot use.
+_SEEN_ONCE = object()
+
+
+def _prepared(plans: dict, key) -> Optional[PreparedLaunch]:
+    """The prepared launch of kind ``key`` (None: none yet, or no kind)."""
+    launch = plans.get(key)
+    return None if launch is _SEEN_ONCE else launch
+
+
+def _remember(plans: dict, key, prepare: Callable[[], Optional[PreparedLaunch]]) -> None:
+    """After a full launch of kind ``key``: mark it seen, or, seen before,
+    keep ``prepare()``'s launch for its later calls."""
+    if key is None:
+        return
+    if plans.get(key) is not _SEEN_ONCE:
+        launch = _SEEN_ONCE
+    else:
+        launch = prepare()
+        if launch is None:
+            return
+    if len(plans) >= MAX_PLANS:
+        plans.clear()
+    plans[key] = launch
 
 
 def _graph_plans(g: GraphOperands) -> dict:
@@ -147,7 +168,7 @@ def maxk_select(x: Tensor, k: int) -> Tuple[Tensor, Tensor]:
     if n > 0:
         target = _kernel_input(values)
         key = ("select", n, dim, k, x.dtype, x.device)
-        launch = _PLANS.get(key)
+        launch = _prepared(_PLANS, key)
         if launch is not None:
             launch(xk, xk, target, indices)
         else:
@@ -155,8 +176,8 @@ def maxk_select(x: Tensor, k: int) -> Tuple[Tensor, Tensor]:
             kernel = select_kernel(dim, k, rows_per_block, _has_redux(x.device), half)
             args = (xk, xk if half else xk.view(torch.int32), target, indices, n)
             run(kernel, blocks, threads, x.device, *args)
-            _remember(_PLANS, key, run.prepare(kernel, blocks, threads, x.device, args,
-                                               (0, 1, 2, 3)))
+            _remember(_PLANS, key, lambda: run.prepare(kernel, blocks, threads, x.device,
+                                                       args, (0, 1, 2, 3)))
     return as_dtype(values, x.dtype), indices
 
 
@@ -171,7 +192,7 @@ def cbsr_to_dense(values: Tensor, indices: Tensor, dim: int) -> Tensor:
     if n > 0:
         source, indices = _kernel_input(values), indices.contiguous()
         key = ("densify", n, dim, k, values.dtype, indices.dtype, values.device)
-        launch = _PLANS.get(key)
+        launch = _prepared(_PLANS, key)
         if launch is not None:
             launch(source, indices, dense)
         else:
@@ -181,8 +202,8 @@ def cbsr_to_dense(values: Tensor, indices: Tensor, dim: int) -> Tensor:
             args = (source, indices, target.view(torch.int32) if stores_pairs(bool(half), dim)
                     else target, n)
             run(kernel, blocks, threads, values.device, *args)
-            _remember(_PLANS, key, run.prepare(kernel, blocks, threads, values.device, args,
-                                               (0, 1, 2)))
+            _remember(_PLANS, key, lambda: run.prepare(kernel, blocks, threads, values.device,
+                                                       args, (0, 1, 2)))
     return as_dtype(dense, values.dtype)
 
 
@@ -364,7 +385,7 @@ def spgemm(g: GraphOperands, values: Tensor, indices: Tensor, num_dst: int,
     weight_arg, scale_arg = _or_unread(weight, g.item_start), _or_unread(row_scale, g.item_start)
     key = (("spgemm", values.shape, values.dtype, indices.dtype, dim, out_dtype,
             weight is None, row_scale is None) if _aligned(values, indices) else None)
-    launch = plans.get(key)
+    launch = _prepared(plans, key)
     if launch is not None:
         launch(weight_arg, scale_arg, values, indices, out, partial)
     else:
@@ -377,9 +398,9 @@ def spgemm(g: GraphOperands, values: Tensor, indices: Tensor, num_dst: int,
         args = (g.item_row, g.item_start, g.item_end, g.item_split, g.col, weight_arg,
                 scale_arg, flat, index_words, _kernel_input(out), partial, num_items)
         run(kernel, blocks, threads, values.device, *args)
-        if key is not None and not pairs:
-            _remember(plans, key, run.prepare(kernel, blocks, threads, values.device, args,
-                                              (5, 6, 7, 8, 9, 10)))
+        if not pairs:
+            _remember(plans, key, lambda: run.prepare(kernel, blocks, threads, values.device,
+                                                      args, (5, 6, 7, 8, 9, 10)))
     if num_zeroed > 0:
         _store_zeroed_rows(g, plans, partial, out, out_half)
     return as_dtype(out.resize_(num_dst, dim), out_dtype)
@@ -390,7 +411,7 @@ def _store_zeroed_rows(g: GraphOperands, plans: dict, partial: Tensor, out: Tens
     """Store the float32 sums of the split rows (``partial``) into ``out``."""
     dim = out.size(1)
     key = ("zeroed rows", dim, out.dtype)
-    launch = plans.get(key)
+    launch = _prepared(plans, key)
     if launch is not None:
         launch(partial, out)
         return
@@ -402,9 +423,9 @@ def _store_zeroed_rows(g: GraphOperands, plans: dict, partial: Tensor, out: Tens
     stores = g.zeroed_rows.numel() * target.size(1)
     blocks = min(-(-stores // threads), run.max_blocks(out.device, threads))
     args = (partial, g.zeroed_rows, target, stores)
-    run(zeroed_rows_kernel(out_half, pairs), blocks, threads, out.device, *args)
-    _remember(plans, key, run.prepare(zeroed_rows_kernel(out_half, pairs), blocks, threads,
-                                      out.device, args, (0, 2)))
+    kernel = zeroed_rows_kernel(out_half, pairs)
+    run(kernel, blocks, threads, out.device, *args)
+    _remember(plans, key, lambda: run.prepare(kernel, blocks, threads, out.device, args, (0, 2)))
 
 
 def _or_unread(optional: Optional[Tensor], stand_in: Tensor) -> Tensor:
@@ -431,7 +452,7 @@ def sspmm(g: GraphOperands, indices: Tensor, grad_out: Tensor, num_src: int) -> 
         scale_arg = _or_unread(row_scale, g.item_start)
         key = (("sspmm", indices.shape, indices.dtype, grad_out.dtype, packed,
                 weight is None, row_scale is None) if _aligned(indices) else None)
-        launch = plans.get(key)
+        launch = _prepared(plans, key)
         if launch is not None:
             launch(weight_arg, scale_arg, indices, source, out)
         else:
@@ -449,9 +470,8 @@ def sspmm(g: GraphOperands, indices: Tensor, grad_out: Tensor, num_src: int) -> 
             args = (g.item_row, g.item_start, g.item_end, g.col, weight_arg, scale_arg,
                     index_words, source, out.view(-1), num_items)
             run(kernel, blocks, threads, grad_out.device, *args)
-            if key is not None:
-                _remember(plans, key, run.prepare(kernel, blocks, threads, grad_out.device,
-                                                  args, (4, 5, 6, 7, 8)))
+            _remember(plans, key, lambda: run.prepare(kernel, blocks, threads, grad_out.device,
+                                                      args, (4, 5, 6, 7, 8)))
     return as_dtype(grad_values, grad_out.dtype)
 
 
