@@ -86,8 +86,8 @@ def _kernel_input(t: Tensor) -> Tensor:
 
 
 # ------------------------------------------------------- prepared launches
-# An op's launch is prepared (:class:`~._launch.PreparedLaunch`) on its first
-# call for inputs of one kind, and later calls of that kind patch in their
+# An op's launch is prepared (:class:`~._launch.PreparedLaunch`) on its second
+# call for inputs of one kind (:func:`_remember`), and later calls patch in their
 # tensors' pointers and launch: no kernel lookup, geometry or argument
 # packing per call, which is most of an op's host time on a small graph.
 # A kind is every input property the kernel, its grid and its arguments'
