@@ -27,7 +27,8 @@ and its backward):
   back silently.
 * ``"auto"`` takes the Numba kernels for float32/float16/bfloat16 CUDA
   tensors where they take the shape, the CPU kernels for float32/float64 CPU
-  tensors, and ``"torch"`` for the rest.
+  tensors (select: rows up to :data:`MAX_CPU_SELECT_DIM` wide), and
+  ``"torch"`` for the rest.
 * The linear kernels also need one float type throughout; the ``"numba"``
   linear kernel runs in float32 only, from :data:`LINEAR_MIN_ROWS` rows and
   where it beats densify + GEMM (:func:`~pyg_maxk.kernels.linear.linear_pays`).
@@ -63,6 +64,8 @@ CPU_DTYPES = (torch.float32, torch.float64)
 #: registers); up to this width it beats :func:`torch.topk` for every k
 #: (``benchmarks/kernels.py``).
 MAX_SELECT_DIM = 1024
+#: Widest rows the CPU select kernel takes (its counts are exact below).
+MAX_CPU_SELECT_DIM = (1 << 24) - 1
 #: Rows from which ``"auto"`` runs the Numba CBSR linear kernel; below, the
 #: host-bound dense path is as fast (small graphs are bound by host time).
 LINEAR_MIN_ROWS = 1 << 15
@@ -224,6 +227,10 @@ def _decision(op, requested, device_type, dtype, dim, k, uniform, large) -> str:
                 f"pyg_maxk backend 'cpu' takes float32/float64 CPU tensors, got {dtype} "
                 f"on {device_type}. Use backend 'auto' (it picks per device and dtype) "
                 f"or 'torch'.")
+        if op == "select" and dim > MAX_CPU_SELECT_DIM:
+            raise BackendError(
+                f"pyg_maxk backend 'cpu' selects in rows up to {MAX_CPU_SELECT_DIM} wide, "
+                f"got {dim}. Use backend 'auto' (torch.topk there) or 'torch'.")
         return _cpu_decision(op, dtype, uniform)
     if requested == "numba" or on_cuda:
         reason = _numba_cannot(op, device_type, dtype, dim, k)
@@ -237,14 +244,15 @@ def _decision(op, requested, device_type, dtype, dim, k, uniform, large) -> str:
             # wins outside the kernel's range; the densify is still numba's).
             return "torch"
         return "numba"
-    if dtype in CPU_DTYPES and _numba_importable():
+    if dtype in CPU_DTYPES and _numba_importable() and not (
+            op == "select" and dim > MAX_CPU_SELECT_DIM):
         return _cpu_decision(op, dtype, uniform)
     return "torch"
 
 
 def _cpu_decision(op: str, dtype: torch.dtype, uniform: bool) -> str:
-    if op == "densify" or (op == "linear" and not uniform):
-        return "torch"  # no CPU kernel: a zero-fill and a scatter is the CPU path
+    if op == "linear" and not uniform:
+        return "torch"  # the CPU linear kernels take one float type throughout
     return "cpu"
 
 

@@ -19,6 +19,7 @@ from helpers import (
     random_weights,
 )
 from pyg_maxk import CBSR, CSRGraph
+from pyg_maxk.graph import unpack
 from pyg_maxk.ops import cpu_ops
 
 
@@ -48,6 +49,28 @@ def test_kernels_against_float64(dtype, normalization, size, dim, k):
     out.backward(grad_out)
     ref = torch.sparse.mm(a.t().to_sparse_csr(), grad_out.double()).gather(1, h.long_indices())
     torch.testing.assert_close(values.grad.double(), ref, **tol)
+
+
+def test_aggregation_kernels_write_every_entry():
+    # The outputs start poisoned: the kernels zero each row themselves,
+    # rows without edges included.
+    from pyg_maxk.kernels import cpu
+    ei = random_edge_index(12, 10, 30, seed=4)
+    graph = CSRGraph.from_adj(ei, (12, 10), normalization="sum")
+    ops = unpack(*graph.operands(4))
+    h = random_cbsr(12, 40, 4, torch.float32)
+    out = torch.full((10, 40), float("nan"))
+    one = torch.ones(1)
+    cpu.spgemm_rows(ops.rowptr.numpy(), ops.col.numpy(), one.numpy(), False, h.values.numpy(),
+                    h.indices.numpy(), out.numpy())
+    a = graph.torch_csr(torch.float64)
+    torch.testing.assert_close(out.double(), torch.sparse.mm(a, h.to_dense().double()))
+    grad_out = torch.randn(10, 40)
+    grad = torch.full((12, 4), float("nan"))
+    cpu.sspmm_rows(ops.colptr.numpy(), ops.row_t.numpy(), one.numpy(), False, h.indices.numpy(),
+                   grad_out.numpy(), grad.numpy())
+    ref = torch.sparse.mm(a.t().to_sparse_csr(), grad_out.double()).gather(1, h.long_indices())
+    torch.testing.assert_close(grad.double(), ref)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -186,6 +209,62 @@ def test_maxk_select_nan_and_infinities():
     assert h.indices.long().tolist() == [[1, 2, 3, 4], [0, 2, 3, 5], [0, 1, 2, 7]]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_maxk_select_extreme_magnitudes(dtype):
+    # The search interpolates between thresholds: spans that overflow the
+    # dtype, subnormal gaps, infinite ends and one huge outlier per row.
+    g = torch.Generator().manual_seed(3)
+    big, tiny = torch.finfo(dtype).max, torch.finfo(dtype).smallest_normal
+    x = torch.randn(8, 96, generator=g, dtype=dtype)
+    x[0] *= big / 4                     # the row spans most of the range
+    x[1] *= tiny                        # subnormal entries
+    x[2, 5], x[2, 50] = big, -big       # one outlier at each end
+    x[3, ::3] = float("inf")            # 32 infinities: more than k
+    x[4, ::7] = float("-inf")
+    x[5] = torch.linspace(-1, 1, 96, dtype=dtype) * big
+    x[6, 10] = float("inf")
+    x[7] = x[7].sign() * tiny * 2 ** torch.arange(96, dtype=dtype).remainder(40)
+    for k in (1, 7, 20, 40):
+        h = cpu_maxk(x, k)
+        assert_same_selection(h, x, k)
+        assert_ties_keep_lowest_columns(h, x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("rows,dim,k", [(40, 256, 32), (9, 300, 7), (0, 24, 5)])
+def test_densify_and_its_gradient(dtype, rows, dim, k):
+    # The kernels write every entry of their outputs (poisoned here), and
+    # read the uint8 and int16 indices as stored.
+    from pyg_maxk.kernels import cpu
+    h = random_cbsr(rows, dim, k, dtype, seed=rows)
+    dense = torch.full((rows, dim), float("nan"), dtype=dtype)
+    cpu.densify_rows(h.values.numpy(), h.indices.numpy(), dense.numpy())
+    torch.testing.assert_close(dense, h.to_dense(), rtol=0, atol=0)
+    grad = torch.randn(rows, dim, dtype=dtype)
+    sampled = torch.full((rows, k), float("nan"), dtype=dtype)
+    cpu.gather_rows(grad.numpy(), h.indices.numpy(), sampled.numpy())
+    torch.testing.assert_close(sampled, grad.gather(1, h.long_indices()), rtol=0, atol=0)
+    # The ops run them, forward and backward.
+    values = h.values.clone().requires_grad_()
+    with pyg_maxk.use_backend("cpu"):
+        assert pyg_maxk.dispatch.choose("densify", values, dim=dim, k=k) == "cpu"
+        out = pyg_maxk.ops.to_dense(h.with_values(values))
+    torch.testing.assert_close(out, h.to_dense(), rtol=0, atol=0)
+    out.backward(grad)
+    torch.testing.assert_close(values.grad, sampled, rtol=0, atol=0)
+
+
 def test_maxk_select_no_rows():
     h = cpu_maxk(torch.empty(0, 40), 5)
     assert h.values.shape == (0, 5) and h.indices.shape == (0, 5)
+
+
+def test_cpu_select_takes_rows_its_counts_keep_exact():
+    x = torch.empty(1, 1)
+    wide = pyg_maxk.dispatch.MAX_CPU_SELECT_DIM + 1
+    with pyg_maxk.use_backend("auto"):
+        assert pyg_maxk.dispatch.choose("select", x, dim=wide - 1, k=3) == "cpu"
+        assert pyg_maxk.dispatch.choose("select", x, dim=wide, k=3) == "torch"
+    with pyg_maxk.use_backend("cpu"), pytest.raises(pyg_maxk.dispatch.BackendError,
+                                                    match="rows up to"):
+        pyg_maxk.dispatch.choose("select", x, dim=wide, k=3)

@@ -67,6 +67,8 @@ def op_cases(backend, dtype=torch.float32):
         cases.append((lib.maxk_select, (x, 5, backend)))
         values, indices = _cbsr(rows, 24, 5, dtype=dtype)
         cases.append((lib.cbsr_to_dense, (values, indices, 24, backend)))
+        dense = torch.randn(rows, 24, device=DEVICE, dtype=dtype, requires_grad=True)
+        cases.append((lib.gather_at, (dense, indices, backend)))
         weight = torch.randn(6, 24, device=DEVICE, dtype=dtype, requires_grad=True)
         bias = torch.randn(6, device=DEVICE, dtype=dtype, requires_grad=True)
         dense = torch.randn(rows, 9, device=DEVICE, dtype=dtype, requires_grad=True)

@@ -11,7 +11,9 @@ row, no atomics.
   dense-dense product, SDDMM): ``grad_weight[e] = sum_j values[c, j] *
   grad_out[r, indices[c, j]]``, ``E * k`` multiply-adds.
 * MaxK selection, one thread per block of rows: the columns of the ``k``
-  largest entries of each row, in column order (see :func:`select_rows`).
+  largest entries of each row, in column order, and the entries (see
+  :func:`select_rows`); densify and its gradient, a gather at the CBSR
+  pattern, one thread per row.
 * The root-term linear map of a CBSR input, ``out = h @ W^T + b``, and its
   gradients, in ``N * k * out`` multiply-adds rather than the ``N * dim *
   out`` of a dense GEMM (see :func:`linear_rows`).
@@ -30,21 +32,30 @@ from numba import njit, prange  # noqa: E402
 
 #: Rows per parallel task of :func:`select_rows` (its scratch rows are
 #: allocated once per task).
-SELECT_BLOCK_ROWS = 64
-#: Most bisection steps of :func:`select_rows` before its quickselect.
-SELECT_BISECTIONS = 16
+SELECT_BLOCK_ROWS = 16
+#: Fewest groups whose maxima bound :func:`select_rows`'s search.
+SELECT_MIN_GROUPS = 8
+#: Most counting passes of :func:`select_rows`'s search before its quickselect.
+SELECT_STEPS = 24
 #: Reassociation (so that dot products vectorise) and fused multiply-adds,
 #: but IEEE NaN/infinity semantics.
 _LINEAR_FASTMATH = {"reassoc", "contract"}
+#: Counting passes sum float32 ones, which vectorise when reassociated and
+#: are exact below 2**24 (so :func:`select_rows` takes rows narrower than
+#: that: ``pyg_maxk.dispatch.MAX_CPU_SELECT_DIM``); comparisons keep their
+#: NaN semantics.
+_COUNT_FASTMATH = {"reassoc"}
 
 
 @keyed_files
 @njit(parallel=True, cache=True)
 def spgemm_rows(rowptr, col, weight, weighted, values, indices, out):
-    """``out[r] += sum over edges (c -> r) of a_e * row c of the CBSR``
-    (``a_e = weight[e]`` when ``weighted``, else 1)."""
+    """``out[r] = sum over edges (c -> r) of a_e * row c of the CBSR``
+    (``a_e = weight[e]`` when ``weighted``, else 1); each row zeroed first
+    (no separate zero-fill pass)."""
     k = values.shape[1]
     for r in prange(out.shape[0]):
+        out[r] = 0
         for e in range(rowptr[r], rowptr[r + 1]):
             c = col[e]
             a = weight[e] if weighted else 1.0
@@ -55,10 +66,12 @@ def spgemm_rows(rowptr, col, weight, weighted, values, indices, out):
 @keyed_files
 @njit(parallel=True, cache=True)
 def sspmm_rows(colptr, row, weight_t, weighted, indices, grad_out, grad_values):
-    """``grad_values[c, j] += sum over edges (c -> r) of a_e * grad_out[r, indices[c, j]]``,
-    over the transposed graph ``(colptr, row, weight_t)``."""
+    """``grad_values[c, j] = sum over edges (c -> r) of a_e * grad_out[r, indices[c, j]]``,
+    over the transposed graph ``(colptr, row, weight_t)``; each row zeroed
+    first."""
     k = grad_values.shape[1]
     for c in prange(grad_values.shape[0]):
+        grad_values[c] = 0
         for e in range(colptr[c], colptr[c + 1]):
             r = row[e]
             a = weight_t[e] if weighted else 1.0
@@ -116,101 +129,196 @@ def _kth_smallest(a, m, kth):
 
 @keyed_files
 @njit(parallel=True, cache=True)
-def select_rows(x, k, indices):
+def select_rows(x, k, values, indices):
     """Write into ``indices[N, k]`` the columns of the ``k`` largest entries of
-    each row of ``x[N, dim]`` (``1 <= k <= dim``), in column order: the
-    entries ``torch.topk`` keeps, NaN above every number, and among entries
-    equal to the ``k``-th largest the lowest columns.
+    each row of ``x[N, dim]`` (``1 <= k <= dim``), in column order, and into
+    ``values[N, k]`` the entries themselves: the entries ``torch.topk``
+    keeps, NaN above every number, and among entries equal to the ``k``-th
+    largest the lowest columns.
 
-    Per row: a lower bound ``lo`` with at least ``k`` entries at or above it
-    (the smallest of the maxima of ``k`` interleaved groups), then bisection
-    of ``[lo, max]``, keeping the candidates at or above ``lo`` in column
-    order. When exactly ``k`` remain (the usual case) they are the answer;
-    otherwise (ties, NaN) a quickselect finds the ``k``-th largest and one
-    branch-free pass over the row writes the columns.
+    Per row: a threshold ``lo`` with at least ``k`` entries at or above it
+    (the smallest of the maxima of ``k`` interleaved groups) and an upper
+    one, the row's maximum; then a search between them for a threshold with
+    exactly ``k`` entries at or above it. Each step counts the row at one
+    threshold (a branch-free pass that vectorises), placed where the counts
+    at the two ends interpolate to ``k`` (false position with the Illinois
+    correction); one pass then writes the columns. Where no threshold
+    separates exactly ``k`` (ties at the ``k``-th largest, NaN, infinite
+    ends) a quickselect finds the ``k``-th largest instead.
     """
     n, dim = x.shape
     for block in prange((n + SELECT_BLOCK_ROWS - 1) // SELECT_BLOCK_ROWS):
+        tops = np.empty(max(k, SELECT_MIN_GROUPS), x.dtype)
         cand = np.empty(dim, x.dtype)
-        cand_col = np.empty(dim, np.int64)
-        tops = np.empty(k, x.dtype)
         cols = np.empty(dim + 1, np.int64)
+        point = np.empty(2, x.dtype)  # thresholds rounded to x's dtype
         for r in range(block * SELECT_BLOCK_ROWS, min(n, (block + 1) * SELECT_BLOCK_ROWS)):
             row = x[r]
-            nans = 0
-            for c in range(dim):
-                nans += np.isnan(row[c])
+            nans = _count_nans(row)
             need = k - nans  # numbers kept besides the NaNs
             if need <= 0:
+                _write_first_nans(row, k, values[r], indices[r])
+                continue
+            lo, hi = _search_bounds(row, k, tops, nans, point)
+            count_lo = _count_at_least(row, lo)
+            lo, count_lo = _narrow(row, need, lo, hi, count_lo, point)
+            if count_lo == need and nans == 0:  # the kept entries are those >= lo
                 out = 0
                 for c in range(dim):
-                    if out < k and np.isnan(row[c]):
-                        indices[r, out] = c
-                        out += 1
-                continue
-            if nans == 0:
-                # Each group {j, j + k, j + 2k, ...} holds its maximum, which
-                # is >= lo: at least k entries lie at or above lo.
-                for j in range(k):
-                    tops[j] = row[j]
-                for base in range(k, dim, k):
-                    for j in range(min(k, dim - base)):
-                        tops[j] = max(tops[j], row[base + j])
-                lo = tops[0]
-                hi = tops[0]
-                for j in range(1, k):
-                    lo = min(lo, tops[j])
-                    hi = max(hi, tops[j])
+                    cols[out] = c
+                    out += row[c] >= lo
             else:
-                lo, hi = -np.inf, np.inf
-            m = 0
-            for c in range(dim):  # branch-free: keep the numbers >= lo, in column order
-                cand[m] = row[c]
-                cand_col[m] = c
-                m += row[c] >= lo
-            # Bisect [lo, hi] while it still drops candidates; at least
-            # `need` of them stay at or above lo throughout.
-            for _ in range(SELECT_BISECTIONS):
-                if m == need:
-                    break
-                mid = lo + (hi - lo) * 0.5
-                if not lo < mid < hi:
-                    break
-                count = 0
-                for c in range(m):
-                    count += cand[c] >= mid
-                if count >= need:
-                    lo, kept = mid, 0
-                    for c in range(m):
-                        cand[kept] = cand[c]
-                        cand_col[kept] = cand_col[c]
-                        kept += cand[c] >= mid
-                    m = kept
-                else:
-                    hi = mid
-            if m == need and nans == 0:  # the candidates are the kept entries
-                for j in range(k):
-                    indices[r, j] = cand_col[j]
-                continue
-            if m == need:
-                t = cand[0]
-                for c in range(1, m):
-                    t = min(t, cand[c])
-            else:
-                t = _kth_smallest(cand, m, m - need)  # the need-th largest
-            above = 0
-            for c in range(dim):
-                above += row[c] > t
-            ties = need - above  # entries equal to t to keep, lowest columns first
-            out = 0
-            for c in range(dim):  # branch-free compaction of the kept columns
-                v = row[c]
-                tie = (v == t) & (ties > 0)
-                ties -= tie
-                cols[out] = c
-                out += (v > t) | np.isnan(v) | tie
+                m = 0
+                for c in range(dim):
+                    cand[m] = row[c]
+                    m += row[c] >= lo
+                t = _kth_smallest(cand, m, m - need)  # the need-th largest number
+                above = 0
+                for c in range(dim):
+                    above += row[c] > t
+                ties = need - above  # entries equal to t to keep, lowest columns first
+                out = 0
+                for c in range(dim):  # branch-free compaction of the kept columns
+                    v = row[c]
+                    tie = (v == t) & (ties > 0)
+                    ties -= tie
+                    cols[out] = c
+                    out += (v > t) | np.isnan(v) | tie
             for j in range(k):
-                indices[r, j] = cols[j]
+                c = cols[j]
+                indices[r, j] = c
+                values[r, j] = row[c]
+
+
+@keyed_files
+@njit(parallel=True, cache=True)
+def densify_rows(values, indices, out):
+    """``out[N, dim]``, the dense form of the CBSR ``(values, indices)``: each
+    row zeroed and its ``k`` entries written, in one pass over the output."""
+    k = values.shape[1]
+    for r in prange(out.shape[0]):
+        row = out[r]
+        row[:] = 0
+        for j in range(k):
+            row[indices[r, j]] = values[r, j]
+
+
+@keyed_files
+@njit(parallel=True, cache=True)
+def gather_rows(dense, indices, out):
+    """``out[r, j] = dense[r, indices[r, j]]``: ``dense`` at the CBSR pattern,
+    read with the indices as stored (no int64 copy)."""
+    k = indices.shape[1]
+    for r in prange(out.shape[0]):
+        for j in range(k):
+            out[r, j] = dense[r, indices[r, j]]
+
+
+@keyed_files
+@njit(fastmath=_COUNT_FASTMATH, cache=True)
+def _count_at_least(row, t):
+    """How many entries of ``row`` are ``>= t`` (NaN never is)."""
+    count = np.float32(0)
+    for c in range(row.shape[0]):
+        count += np.float32(1) if row[c] >= t else np.float32(0)
+    return int(count)
+
+
+@keyed_files
+@njit(fastmath=_COUNT_FASTMATH, cache=True)
+def _count_nans(row):
+    """How many entries of ``row`` are NaN."""
+    count = np.float32(0)
+    for c in range(row.shape[0]):
+        count += np.float32(1) if row[c] != row[c] else np.float32(0)
+    return int(count)
+
+
+@keyed_files
+@njit(cache=True, inline="always")
+def _write_first_nans(row, k, values, indices):
+    """The first ``k`` NaN entries of ``row``, which has at least ``k``."""
+    out = 0
+    for c in range(row.shape[0]):
+        if out < k and np.isnan(row[c]):
+            indices[out] = c
+            values[out] = row[c]
+            out += 1
+
+
+@keyed_files
+@njit(cache=True, inline="always")
+def _search_bounds(row, k, tops, nans, point):
+    """``(lo, hi)``: at least ``k`` numbers of ``row`` lie at or above ``lo``
+    (each of ``g >= k`` groups ``{j, j + g, j + 2g, ...}`` holds its maximum,
+    which is ``>= lo``; at least :data:`SELECT_MIN_GROUPS` groups, so that
+    the maxima vectorise) and ``hi`` is its largest. With NaNs in the row,
+    ``(-inf, inf)``. Both in the row's dtype (``point`` rounds them)."""
+    if nans > 0:
+        point[0] = -np.inf
+        point[1] = np.inf
+        return point[0], point[1]
+    groups = tops[:min(row.shape[0], max(k, SELECT_MIN_GROUPS))]
+    _group_maxima(row, groups)
+    lo = groups[0]
+    hi = groups[0]
+    for j in range(1, groups.shape[0]):
+        lo = min(lo, groups[j])
+        hi = max(hi, groups[j])
+    return lo, hi
+
+
+@keyed_files
+@njit(fastmath={"nnan", "nsz"}, cache=True)
+def _group_maxima(row, tops):
+    """``tops[j]``: the largest of ``row[j], row[j + k], ...`` for ``k =
+    len(tops)``, for a row without NaN (the flags let the maxima vectorise;
+    the sign of a zero maximum may differ, its value does not)."""
+    k = tops.shape[0]
+    dim = row.shape[0]
+    whole = dim - dim % k  # the columns of whole runs of k
+    for j in range(k):
+        tops[j] = row[j]
+    for base in range(k, whole, k):
+        for j in range(k):
+            tops[j] = max(tops[j], row[base + j])
+    for j in range(dim - whole):
+        tops[j] = max(tops[j], row[whole + j])
+
+
+@keyed_files
+@njit(cache=True, inline="always")
+def _narrow(row, need, lo, hi, count_lo, point):
+    """Raise ``lo`` (``count_lo`` numbers at or above it, ``>= need``) towards
+    a threshold with exactly ``need`` numbers at or above it, below ``hi``,
+    in at most :data:`SELECT_STEPS` counting passes; return the last ``(lo,
+    count_lo)``."""
+    target = need + 0.5
+    f_lo = count_lo - target  # > 0
+    f_hi = 1.0 - target       # at least the maximum is at or above hi; < 0
+    side = 0
+    for _ in range(SELECT_STEPS):
+        if count_lo == need:
+            break
+        point[0] = lo + (hi - lo) * (f_lo / (f_lo - f_hi))
+        mid = point[0]
+        if not lo < mid < hi:  # rounding, or an infinite end
+            point[0] = lo * 0.5 + hi * 0.5
+            mid = point[0]
+            if not lo < mid < hi:
+                break
+        count = _count_at_least(row, mid)
+        if count >= need:
+            lo, count_lo, f_lo = mid, count, count - target
+            if side > 0:
+                f_hi *= 0.5  # Illinois: the far end stayed twice
+            side = 1
+        else:
+            hi, f_hi = mid, count - target
+            if side < 0:
+                f_lo *= 0.5
+            side = -1
+    return lo, count_lo
 
 
 @keyed_files

@@ -78,8 +78,8 @@ def maxk(x: Tensor, k: int, *, dropout: float = 0.0, training: bool = False) -> 
 
 def to_dense(h: CBSR) -> Tensor:
     """The dense ``[N, dim]`` form of ``h`` (:meth:`CBSR.to_dense`),
-    differentiable w.r.t. ``h.values``. The ``"numba"`` backend writes each row
-    once from shared memory; elsewhere it is a zero-fill and a scatter."""
+    differentiable w.r.t. ``h.values``. The ``"numba"`` and ``"cpu"`` backends
+    write each row once; the ``"torch"`` backend zero-fills and scatters."""
     if h.is_full:
         return h.to_dense()  # a plain scatter, differentiable by torch itself
     return lib.cbsr_to_dense(h.values, h.indices, h.dim, get_backend())

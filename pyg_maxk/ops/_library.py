@@ -111,6 +111,7 @@ def _densify(requested: str, values: Tensor, dim: int):
     return _impls("densify", requested, values, dim=dim, k=values.size(1)).cbsr_to_dense
 
 
+
 # ------------------------------------------------------------------ densify
 def _cbsr_to_dense(values: Tensor, indices: Tensor, dim: int, backend: str) -> Tensor:
     return _densify(backend, values, dim)(values, indices, dim)
@@ -121,16 +122,47 @@ def _cbsr_to_dense_fake(values, indices, dim, backend):
 
 
 def _cbsr_to_dense_setup(ctx, inputs, output) -> None:
+    ctx.backend = inputs[3]
     ctx.save_for_backward(inputs[1])
 
 
 def _cbsr_to_dense_backward(ctx, grad_dense):
     (indices,) = ctx.saved_tensors
-    return grad_dense.gather(1, indices.long()), None, None, None
+    return gather_at(grad_dense, indices, ctx.backend), None, None, None
+
+
+# ---------------------------------------------- gather (densify's adjoint)
+def _gather_at(dense: Tensor, indices: Tensor, backend: str) -> Tensor:
+    # The CPU kernel where the backend densifies on the CPU (no int64 copy of
+    # the indices); torch's gather elsewhere: on a GPU it costs less host
+    # time than a kernel launch.
+    if choose("densify", dense, requested=backend, dim=dense.size(1),
+              k=indices.size(1)) == "cpu":
+        from . import cpu_ops
+        return cpu_ops.gather_at(dense, indices)
+    return torch_ops.gather_at(dense, indices)
+
+
+def _gather_at_fake(dense, indices, backend):
+    return dense.new_empty(indices.shape)
+
+
+def _gather_at_setup(ctx, inputs, output) -> None:
+    ctx.dim, ctx.backend = inputs[0].size(1), inputs[2]
+    ctx.save_for_backward(inputs[1])
+
+
+def _gather_at_backward(ctx, grad_values):
+    (indices,) = ctx.saved_tensors
+    return cbsr_to_dense(grad_values.contiguous(), indices, ctx.dim, ctx.backend), None, None
 
 
 cbsr_to_dense = KernelOp("cbsr_to_dense", _cbsr_to_dense, _cbsr_to_dense_fake,
                          _cbsr_to_dense_setup, _cbsr_to_dense_backward)
+#: ``dense`` at the CBSR pattern ``indices``, ``[N, k]``: the gradient of
+#: :data:`cbsr_to_dense`, as that is its gradient.
+gather_at = KernelOp("gather_at", _gather_at, _gather_at_fake, _gather_at_setup,
+                     _gather_at_backward)
 
 
 # -------------------------------------------------------------------- maxk
@@ -313,8 +345,7 @@ def _maxk_aggregate_backward(ctx, grad_agg, grad_values, grad_indices, grad_dens
         if grad_values is not None:
             grad = grad_values if grad is None else grad + grad_values
         if grad_dense is not None and ctx.with_dense:
-            # torch's gather: less host time than a kernel launch here.
-            sampled = grad_dense.gather(1, indices.long())
+            sampled = gather_at(grad_dense, indices, ctx.backend)
             grad = sampled if grad is None else grad + sampled
         if grad is not None:
             grad_x = cbsr_to_dense(grad.contiguous(), indices, ctx.dim, ctx.backend)
@@ -460,5 +491,5 @@ cbsr_linear = KernelOp("cbsr_linear", _cbsr_linear, _cbsr_linear_fake, _cbsr_lin
                        _cbsr_linear_backward)
 
 #: Every op of this module, for tests (opcheck) and docs.
-ALL_OPS = (maxk_select, cbsr_to_dense, spgemm, maxk_aggregate, sspmm, sddmm, spmm,
+ALL_OPS = (maxk_select, cbsr_to_dense, gather_at, spgemm, maxk_aggregate, sspmm, sddmm, spmm,
            cbsr_linear, cbsr_linear_backward)

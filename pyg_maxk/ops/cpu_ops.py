@@ -1,5 +1,5 @@
-"""The ``"cpu"`` backend's implementations: MaxK selection, CBSR aggregation
-and the linear map of CBSR rows with the Numba CPU kernels of
+"""The ``"cpu"`` backend's implementations: MaxK selection, densify, CBSR
+aggregation and the linear map of CBSR rows with the Numba CPU kernels of
 :mod:`pyg_maxk.kernels.cpu`. Plain functions, not differentiable:
 :mod:`pyg_maxk.ops._library` wraps them as custom ops with autograd. They
 compute in the features' dtype (float32 or float64).
@@ -15,6 +15,7 @@ from ..cbsr import index_dtype_for
 from ..graph import GraphOperands
 from ..kernels import cpu as kernels
 from ._common import as_dtype, spgemm_dtype
+from .torch_ops import column_sums  # noqa: F401 (the densify backend's bias gradient)
 
 
 def maxk_select(x: Tensor, k: int) -> Tuple[Tensor, Tensor]:
@@ -22,10 +23,30 @@ def maxk_select(x: Tensor, k: int) -> Tuple[Tensor, Tensor]:
     of ``x [N, dim]`` (``k < dim``), in column order."""
     n, dim = x.shape
     x = x.detach().contiguous()
+    values = x.new_empty(n, k)
     indices = torch.empty(n, k, dtype=index_dtype_for(dim))
     if n > 0:
-        kernels.select_rows(x.numpy(), k, indices.numpy())
-    return x.gather(1, indices.long()), indices
+        kernels.select_rows(x.numpy(), k, values.numpy(), indices.numpy())
+    return values, indices
+
+
+def cbsr_to_dense(values: Tensor, indices: Tensor, dim: int) -> Tensor:
+    """The dense ``[N, dim]`` form of the CBSR ``(values, indices)``, each row
+    written once (no separate zero-fill, no int64 copy of the indices)."""
+    out = values.new_empty(values.size(0), dim)                       # [N, dim]
+    if out.numel() > 0:
+        kernels.densify_rows(values.detach().contiguous().numpy(), indices.contiguous().numpy(),
+                             out.numpy())
+    return out
+
+
+def gather_at(dense: Tensor, indices: Tensor) -> Tensor:
+    """``dense`` at the CBSR pattern ``indices``: ``[N, k]``."""
+    out = dense.new_empty(indices.shape)                               # [N, k]
+    if out.numel() > 0:
+        kernels.gather_rows(dense.detach().contiguous().numpy(), indices.contiguous().numpy(),
+                            out.numpy())
+    return out
 
 
 def _weight(weight: Optional[Tensor], dtype: torch.dtype, like: Tensor):
@@ -39,7 +60,7 @@ def spgemm(g: GraphOperands, values: Tensor, indices: Tensor, num_dst: int,
            dim: int) -> Tensor:
     """``A @ h`` as ``[num_dst, dim]`` for the CBSR ``h = (values, indices)``:
     one thread per output row."""
-    out = values.new_zeros(num_dst, dim)                              # [num_dst, dim]
+    out = values.new_empty(num_dst, dim)                              # [num_dst, dim]
     weight, weighted = _weight(g.weight, values.dtype, values)
     kernels.spgemm_rows(g.rowptr.numpy(), g.col.numpy(), weight, weighted,
                         values.detach().contiguous().numpy(), indices.contiguous().numpy(),
@@ -50,7 +71,7 @@ def spgemm(g: GraphOperands, values: Tensor, indices: Tensor, num_dst: int,
 def sspmm(g: GraphOperands, indices: Tensor, grad_out: Tensor, num_src: int) -> Tensor:
     """The gradient ``[num_src, k]`` of :func:`spgemm` w.r.t. the CBSR values,
     one thread per source row of the transposed graph (no atomics)."""
-    grad_values = grad_out.new_zeros(num_src, indices.size(1))        # [num_src, k]
+    grad_values = grad_out.new_empty(num_src, indices.size(1))        # [num_src, k]
     weight, weighted = _weight(g.weight_t, grad_out.dtype, grad_out)
     kernels.sspmm_rows(g.colptr.numpy(), g.row_t.numpy(), weight, weighted,
                        indices.contiguous().numpy(), grad_out.detach().contiguous().numpy(),
