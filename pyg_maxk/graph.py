@@ -105,10 +105,9 @@ def _work_schedule(rowptr: Tensor, num_edges: int, max_edges: int,
         start = torch.where(real, start, 0)
         end = torch.where(real, end, 0)
         split = torch.where(real, split, 1)
-    return WorkSchedule(max_edges=max_edges, row=row.to(torch.int32),
-                        start=start.to(torch.int32), end=end.to(torch.int32),
-                        split=split.to(torch.int32), zeroed_rows=zeroed_rows,
-                        bounded=bounded)
+    row, start, end, split = torch.stack([row, start, end, split]).to(torch.int32)
+    return WorkSchedule(max_edges=max_edges, row=row, start=start, end=end, split=split,
+                        zeroed_rows=zeroed_rows, bounded=bounded)
 
 
 def _is_edge_index_type(adj: Any) -> bool:
@@ -218,18 +217,23 @@ def pack(g: GraphOperands) -> Tuple[PackedGraph, GraphOperands]:
     arrays = [None if i in _WEIGHT_FIELDS and learnable[_WEIGHT_FIELDS.index(i)] else a
               for i, a in enumerate(g)]
     layout: List[int] = []
+    pieces: List[Tensor] = []
+    # Bytes that pad each array to PACK_ALIGN; never read, so left unset.
+    padding = torch.empty(PACK_ALIGN, dtype=torch.uint8, device=g.col.device)
     total = 0
     for a in arrays:
         if a is None:
             layout += [0, -1, 0]
-        else:
-            layout += [total, a.numel(), _PACKED_DTYPES.index(a.dtype)]
-            total += _padded(a.numel() * a.element_size())
-    buffer = torch.empty(total, dtype=torch.uint8, device=g.col.device)
-    for offset, a in zip(layout[::3], arrays):
-        if a is not None:
-            nbytes = a.numel() * a.element_size()
-            buffer[offset:offset + nbytes] = a.detach().contiguous().view(-1).view(torch.uint8)
+            continue
+        layout += [total, a.numel(), _PACKED_DTYPES.index(a.dtype)]
+        nbytes = a.numel() * a.element_size()
+        pieces.append(a.detach().contiguous().view(-1).view(torch.uint8))
+        if _padded(nbytes) > nbytes:
+            pieces.append(padding[:_padded(nbytes) - nbytes])
+        total += _padded(nbytes)
+    # One copy of every array (a new graph per batch is built on every step,
+    # and each launch there costs host time).
+    buffer = torch.cat(pieces) if pieces else padding[:0].clone()
     packed = PackedGraph(buffer, g.weight if learnable[0] else None,
                          g.weight_t if learnable[1] else None, layout)
     return packed, _views_of(buffer, layout, packed.weight, packed.weight_t)
