@@ -76,6 +76,23 @@ def _as_sparse_csr(adj: Tensor) -> Tensor:
         return adj.to_sparse_csr()
 
 
+def _transpose_on_cpu(rowptr: Tensor, col: Tensor, num_src: int
+                      ) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(colptr, row, order)`` of a CPU graph (:meth:`CSRGraph.transposed`;
+    ``order``: each grouped edge's CSR position), in one pass of a counting
+    sort: a stable sort by source, as ``torch.sort(col, stable=True)``."""
+    from .kernels.cpu import transpose_rows
+    colptr = torch.empty(num_src + 1, dtype=rowptr.dtype)
+    row = torch.empty_like(col)
+    order = torch.empty(col.numel(), dtype=torch.int64)
+    bad = transpose_rows(rowptr.contiguous().numpy(), col.contiguous().numpy(),
+                         colptr.numpy(), row.numpy(), order.numpy())
+    if bad >= 0:
+        raise ValueError(f"The graph has an edge from source node {int(col[bad])}, "
+                         f"outside [0, {num_src})")
+    return colptr, row, order
+
+
 def _work_schedule(rowptr: Tensor, num_edges: int, max_edges: int,
                    bounded: bool) -> "WorkSchedule":
     """The :class:`WorkSchedule` of the CSR rows ``rowptr`` (int64)."""
@@ -464,15 +481,19 @@ class CSRGraph:
         """``(colptr [num_src + 1], row [E], weight [E] or None)``: the graph
         grouped by source node (CSC), cached; the CPU backward reads it."""
         if self._transposed is None:
-            order = torch.sort(self.col, stable=True).indices
-            counts = torch.bincount(self.col.long(), minlength=self.num_src)
-            colptr = torch.zeros(self.num_src + 1, dtype=self.rowptr.dtype, device=self.device)
-            torch.cumsum(counts, 0, out=colptr[1:])
-            row_of_edge = torch.repeat_interleave(
-                torch.arange(self.num_dst, dtype=self.col.dtype, device=self.device),
-                self.in_degree().long(), output_size=self.num_edges)
+            if self.device.type == "cpu":
+                colptr, row, order = _transpose_on_cpu(self.rowptr, self.col, self.num_src)
+            else:
+                order = torch.sort(self.col, stable=True).indices
+                counts = torch.bincount(self.col.long(), minlength=self.num_src)
+                colptr = torch.zeros(self.num_src + 1, dtype=self.rowptr.dtype,
+                                     device=self.device)
+                torch.cumsum(counts, 0, out=colptr[1:])
+                row = torch.repeat_interleave(
+                    torch.arange(self.num_dst, dtype=self.col.dtype, device=self.device),
+                    self.in_degree().long(), output_size=self.num_edges)[order]
             weight = None if self.weight is None else self.weight[order]
-            self._transposed = (colptr, row_of_edge[order], weight)
+            self._transposed = (colptr, row, weight)
             self._transpose_order = order
         return self._transposed
 

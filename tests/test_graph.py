@@ -124,6 +124,25 @@ def test_bounded_schedule_has_sizes_known_from_the_shape(max_edges):
     assert s.zeroed_rows.tolist() == zeroed + [6] * (min(6, 23 // (max_edges + 1)) - len(zeroed))
 
 
+def test_transposed_graph_groups_edges_by_source_in_csr_order():
+    # Multi-edges, sources without edges, and edge values follow their edges.
+    ei = torch.cat([random_edge_index(30, 20, 150, seed=5), torch.tensor([[3, 3], [7, 7]])], 1)
+    weight = torch.rand(ei.size(1)) + 0.1
+    graph = CSRGraph.from_adj(ei, (30, 20), edge_weight=weight, normalization="sum",
+                              cache=False)
+    colptr, row, weight_t = graph.transposed()
+    order = torch.sort(graph.col, stable=True).indices
+    rows = torch.repeat_interleave(torch.arange(20), graph.in_degree().long())
+    assert torch.equal(colptr.long(), torch.cat([torch.zeros(1, dtype=torch.long),
+                                                 torch.bincount(graph.col.long(), minlength=30)
+                                                 .cumsum(0)]))
+    assert torch.equal(row.long(), rows[order]) and torch.equal(weight_t, graph.weight[order])
+    bad = CSRGraph.from_csr(graph.rowptr, graph.col.clone().index_fill_(0, torch.tensor([9]), 30),
+                            None, (30, 20))
+    with pytest.raises(ValueError, match="source node 30, outside"):
+        bad.transposed()
+
+
 def test_errors():
     with pytest.raises(ValueError, match="integer"):
         CSRGraph.from_adj(torch.zeros(2, 3), (3, 3))

@@ -80,6 +80,34 @@ def sspmm_rows(colptr, row, weight_t, weighted, indices, grad_out, grad_values):
 
 
 @keyed_files
+@njit(cache=True)
+def transpose_rows(rowptr, col, colptr, row, order):
+    """The CSR graph ``(rowptr, col)`` grouped by source: ``colptr[num_src +
+    1]``, and per grouped edge its target ``row`` and CSR position
+    ``order``; each source's edges keep their CSR order (a counting sort,
+    stable). Returns -1, or the CSR position of an edge whose source lies
+    outside ``[0, num_src)`` (then the outputs are incomplete)."""
+    num_src = colptr.shape[0] - 1
+    colptr[:] = 0
+    for e in range(col.shape[0]):
+        c = col[e]
+        if c < 0 or c >= num_src:
+            return e
+        colptr[c + 1] += 1
+    for c in range(num_src):
+        colptr[c + 1] += colptr[c]
+    cursor = colptr[:num_src].copy()
+    for r in range(rowptr.shape[0] - 1):
+        for e in range(rowptr[r], rowptr[r + 1]):
+            c = col[e]
+            at = cursor[c]
+            cursor[c] = at + 1
+            row[at] = r
+            order[at] = e
+    return -1
+
+
+@keyed_files
 @njit(parallel=True, cache=True)
 def sddmm_rows(rowptr, col, values, indices, grad_out, grad_weight):
     """``grad_weight[e] = sum_j values[c, j] * grad_out[r, indices[c, j]]`` for
