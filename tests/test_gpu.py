@@ -608,3 +608,58 @@ def test_repeated_calls_read_their_own_tensors(dtype, normalization):
     if numba_ops.launcher()._driver is not None:  # the third calls took prepared launches
         for plans in (numba_ops._PLANS, numba_ops._graph_plans(unpack(*graph.operands(16)))):
             assert any(isinstance(p, PreparedLaunch) for p in plans.values())
+
+
+def test_launches_read_each_calls_tensors_whatever_changes():
+    # Each kind of call runs three times first (from the second, launches
+    # are prepared and later calls patch their pointers into them); then
+    # inputs of that kind's shapes that differ in what a stale launch would
+    # get wrong, each against the torch backend on poisoned memory.
+    ei = random_edge_index(12, 12, 40, seed=6).cuda()
+    graph = CSRGraph.from_adj(ei, (12, 12), normalization="mean", cache=False)
+    gen = torch.Generator().manual_seed(0)
+
+    def check(base, k, g, view=lambda t: t):
+        # maxk_aggregate of view(base), forward and the gradient reaching base.
+        grad = torch.randn(g.num_dst, view(base).size(1), generator=gen).to(base)
+        results = []
+        for backend in ("numba", "torch"):
+            poison_allocator()
+            leaf = base.detach().clone().requires_grad_()
+            with pyg_maxk.use_backend(backend):
+                agg, _, dense = pyg_maxk.ops.maxk_aggregate(view(leaf), k, g, with_dense=True)
+                (agg.float() * grad.float()).sum().backward()
+            results.append((agg, dense, leaf.grad))
+        tol = dict(rtol=1e-5, atol=1e-5) if base.dtype == torch.float32 else dict(rtol=2e-2,
+                                                                                    atol=2e-2)
+        for ours, ref in zip(*results):
+            torch.testing.assert_close(ours, ref, **tol)
+
+    def features(rows=12, cols=16, dtype=torch.float32, device="cuda"):
+        return torch.randn(rows, cols, generator=gen).to(device, dtype)
+
+    for _ in range(3):
+        check(features(), 4, graph)
+    if numba_ops.launcher()._driver is not None:
+        assert any(isinstance(p, PreparedLaunch) for p in numba_ops._PLANS.values())
+    check(features(cols=24), 4, graph, lambda t: t[:, 4:20])  # strided: read as a copy
+    check(features(rows=13), 4, graph, lambda t: t[1:])       # a view at a storage offset
+    other = CSRGraph.from_adj(random_edge_index(12, 12, 40, seed=7).cuda(), (12, 12),
+                              normalization="mean", cache=False)
+    check(features(), 4, other)                               # a new graph of the same shape
+    edited = ei.clone()
+    edited[0, :20] = edited[0, :20].flip(0)                   # an edited edge_index
+    check(features(), 4, CSRGraph.from_adj(edited, (12, 12), normalization="mean"))
+    longer = torch.cat([ei, random_edge_index(12, 12, 40, seed=8).cuda()], 1)
+    check(features(), 4, CSRGraph.from_adj(longer[:, 40:], (12, 12), normalization="mean"))
+    check(features(), 3, graph)                               # another k
+    check(features(dtype=torch.bfloat16), 4, graph)           # another dtype
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):                             # torch's current stream
+        check(features(), 4, graph)
+    torch.cuda.current_stream().wait_stream(side)
+    if torch.cuda.device_count() > 1:                         # plans are per device
+        with torch.cuda.device(1):
+            check(features(device="cuda:1"), 4, CSRGraph.from_adj(
+                ei.to("cuda:1"), (12, 12), normalization="mean", cache=False))
