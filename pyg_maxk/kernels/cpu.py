@@ -165,8 +165,8 @@ def select_rows(x, k, values, indices):
     largest the lowest columns.
 
     Per row: a threshold ``lo`` with at least ``k`` entries at or above it
-    (the smallest of the maxima of ``k`` interleaved groups) and an upper
-    one, the row's maximum; then a search between them for a threshold with
+    (the smallest of the maxima of ``k`` or more interleaved groups, see
+    :func:`_search_bounds`) and an upper one, the row's maximum; then a search between them for a threshold with
     exactly ``k`` entries at or above it. Each step counts the row at one
     threshold (a branch-free pass that vectorises), placed where the counts
     at the two ends interpolate to ``k`` (false position with the Illinois
