@@ -334,6 +334,23 @@ def test_contract_sage_root_term_dense_and_cbsr(form, cbsr_root, monkeypatch):
     assert bool(calls) == cbsr_root
 
 
+@pytest.mark.parametrize("hooked", [False, True])
+def test_sage_dense_root_accumulates_in_place_unless_hooked(hooked, monkeypatch):
+    # The dense root term's product is added in place into lin_l's output;
+    # a hook on either linear module gets the modules' own calls instead.
+    ei = random_edge_index(N, N, 50, seed=4)
+    ours, stock = make_pair("sage")
+    seen, in_place = [], []
+    original = torch.Tensor.addmm_
+    monkeypatch.setattr(torch.Tensor, "addmm_", lambda t, *a, **kw: in_place.append(1) or
+                        original(t, *a, **kw))
+    if hooked:
+        ours.lin_r.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    assert_same_as_stock(ours, stock, random_features(), (ei,), K)
+    assert seen == ([torch.Size([N, F_OUT])] if hooked else [])
+    assert bool(in_place) != hooked
+
+
 def test_dropout_and_cbsr_inputs_take_the_separate_steps():
     # Dropout applies between MaxK and the aggregation, and a CBSR input is
     # selected already: both run the two ops, with the same results.

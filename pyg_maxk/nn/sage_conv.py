@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from typing import Any, List, Optional, Tuple, Union
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch_geometric.nn.dense.linear import Linear, is_uninitialized_parameter
@@ -95,7 +96,7 @@ class MaxKSAGEConv(MaxKConv):
         agg, h_src, dense = self.sparsify_and_aggregate(graph, x_src, with_dense=dense_root)
 
         if dense_root:
-            out = self.lin_l(agg) + self.lin_r(dense)
+            out = self.dense_sum_of_linears(agg, dense)
         elif root:
             h_dst = h_src if x_dst is x_src else self.sparsify(x_dst)
             out = self.sum_of_linears(agg, h_dst)
@@ -105,6 +106,20 @@ class MaxKSAGEConv(MaxKConv):
         if self.normalize:
             out = F.normalize(out, p=2., dim=-1)
         return out
+
+    def dense_sum_of_linears(self, agg: Tensor, dense: Tensor) -> Tensor:
+        """``lin_l(agg) + lin_r(dense)``, shape ``[N, F_out]``: ``lin_r``'s
+        product accumulated in place into ``lin_l``'s fresh output (a GEMM
+        with ``beta = 1``; ``lin_r`` has no bias), one pass over the result
+        and one autograd node fewer than the sum. Through the modules (their
+        hooks, autocast's casts, lazy weights) otherwise."""
+        w_r = self.lin_r.weight
+        out = self.lin_l(agg)
+        hooked = any(m._forward_hooks or m._forward_pre_hooks for m in (self.lin_l, self.lin_r))
+        if (hooked or is_uninitialized_parameter(w_r) or torch.is_autocast_enabled(out.device.type)
+                or not out.dtype == dense.dtype == w_r.dtype):
+            return out + self.lin_r(dense)
+        return out.addmm_(dense, w_r.t())
 
     def sum_of_linears(self, agg: Tensor, h: CBSR) -> Tensor:
         """``lin_l(agg) + lin_r(h)``, shape ``[N_dst, F_out]``.
