@@ -111,7 +111,6 @@ def _densify(requested: str, values: Tensor, dim: int):
     return _impls("densify", requested, values, dim=dim, k=values.size(1)).cbsr_to_dense
 
 
-
 # ------------------------------------------------------------------ densify
 def _cbsr_to_dense(values: Tensor, indices: Tensor, dim: int, backend: str) -> Tensor:
     return _densify(backend, values, dim)(values, indices, dim)
@@ -160,7 +159,7 @@ def _gather_at_backward(ctx, grad_values):
 cbsr_to_dense = KernelOp("cbsr_to_dense", _cbsr_to_dense, _cbsr_to_dense_fake,
                          _cbsr_to_dense_setup, _cbsr_to_dense_backward)
 #: ``dense`` at the CBSR pattern ``indices``, ``[N, k]``: the gradient of
-#: :data:`cbsr_to_dense`, as that is its gradient.
+#: :data:`cbsr_to_dense`, whose gradient is in turn this op.
 gather_at = KernelOp("gather_at", _gather_at, _gather_at_fake, _gather_at_setup,
                      _gather_at_backward)
 
