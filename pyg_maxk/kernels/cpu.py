@@ -166,11 +166,12 @@ def select_rows(x, k, values, indices):
 
     Per row: a threshold ``lo`` with at least ``k`` entries at or above it
     (the smallest of the maxima of ``k`` or more interleaved groups, see
-    :func:`_search_bounds`) and an upper one, the row's maximum; then a search between them for a threshold with
-    exactly ``k`` entries at or above it. Each step counts the row at one
-    threshold (a branch-free pass that vectorises), placed where the counts
-    at the two ends interpolate to ``k`` (false position with the Illinois
-    correction); one pass then writes the columns. Where no threshold
+    :func:`_search_bounds`) and an upper one, the row's maximum; then a
+    search between them for a threshold with exactly ``k`` entries at or
+    above it. Each step counts the row at one threshold (a branch-free pass
+    that vectorises), placed where the counts at the two ends interpolate
+    to ``k`` (false position with the Illinois correction); one pass then
+    writes the columns. Where no threshold
     separates exactly ``k`` (ties at the ``k``-th largest, NaN, infinite
     ends) a quickselect finds the ``k``-th largest instead.
     """
