@@ -199,10 +199,14 @@ class PackedGraph(NamedTuple):
     Every tensor crossing a compiled graph's boundary costs host time on each
     call (a guard, a CUDA-graph input check, a tensor saved for the
     backward), and small graphs are host-bound: one buffer instead of twelve
-    arrays. ``layout`` holds ``(byte offset, numel, dtype code)`` per field of
-    :data:`GRAPH_FIELDS` (``numel = -1``: absent from the buffer); every array
-    starts at a multiple of :data:`PACK_ALIGN` bytes, so that its view keeps
-    its type. ``weight`` and ``weight_t``, when given, are the edge values in
+    arrays. ``layout`` is six integers (a list argument costs dispatcher time
+    per element on every compiled call): the type of every field of
+    :data:`GRAPH_FIELDS` in the buffer (3 bits each, 0 where it is absent)
+    and one bit each for fields in the buffer that are not to be read
+    (:func:`without_weights`), then the sizes every field's length follows
+    from (:data:`LAYOUT_SIZES`). The fields lie in their order, each at the
+    next multiple of :data:`PACK_ALIGN` bytes, so that its view keeps its
+    type. ``weight`` and ``weight_t``, when given, are the edge values in
     place of the buffer's (:meth:`CSRGraph.with_weight`).
     """
     index: Tensor                 # uint8 [bytes]
@@ -214,16 +218,52 @@ class PackedGraph(NamedTuple):
         return [t for t in self[:-1] if t is not None]
 
 
-#: The fields of :class:`GraphOperands`, in the order of :attr:`PackedGraph.layout`.
+#: The fields of :class:`GraphOperands`, in the order of the packed buffer.
 GRAPH_FIELDS = GraphOperands._fields
 _PACKED_DTYPES = (torch.int32, torch.int64, torch.uint8, torch.float32, torch.float64,
                   torch.float16, torch.bfloat16)
 PACK_ALIGN = 16
 _WEIGHT_FIELDS = (GRAPH_FIELDS.index("weight"), GRAPH_FIELDS.index("weight_t"))
+#: The sizes in :attr:`PackedGraph.layout`, after its flags.
+LAYOUT_SIZES = ("num_dst", "num_edges", "num_items", "num_zeroed", "num_src")
+#: Each field's length: ``(position in LAYOUT_SIZES, plus)``.
+_FIELD_LENGTHS = (
+    (0, 1), (1, 0), (1, 0), (0, 0),  # rowptr, col, weight, row_scale
+    (2, 0), (2, 0), (2, 0), (2, 0),  # the schedule's item_row, start, end, split
+    (3, 0),                          # zeroed_rows
+    (4, 1), (1, 0), (1, 0),          # colptr, row_t, weight_t
+)
+_TYPE_BITS = 3
+#: The first of the bits that mark a field as not to be read.
+_UNREAD_BITS = _TYPE_BITS * len(GRAPH_FIELDS)
 
 
 def _padded(nbytes: int) -> int:
     return -(-nbytes // PACK_ALIGN) * PACK_ALIGN
+
+
+def _field_type(flags: int, field: int) -> int:
+    """The type code of ``field`` in a layout's ``flags``: 1 + its index in
+    :data:`_PACKED_DTYPES`, 0 where the field is absent from the buffer."""
+    return (flags >> (_TYPE_BITS * field)) & ((1 << _TYPE_BITS) - 1)
+
+
+def _is_read(flags: int, field: int) -> bool:
+    """Whether ``field`` is in the buffer and to be read."""
+    return _field_type(flags, field) != 0 and not (flags >> (_UNREAD_BITS + field)) & 1
+
+
+def _field_length(layout: List[int], field: int) -> int:
+    size, plus = _FIELD_LENGTHS[field]
+    return layout[1 + size] + plus
+
+
+def _layout_sizes(g: GraphOperands) -> List[int]:
+    """:data:`LAYOUT_SIZES` of ``g`` (0 for the sizes of absent fields)."""
+    def length(t: Optional[Tensor], minus: int = 0) -> int:
+        return 0 if t is None else t.numel() - minus
+    return [g.rowptr.numel() - 1, g.col.numel(), length(g.item_row), length(g.zeroed_rows),
+            length(g.colptr, 1)]
 
 
 def pack(g: GraphOperands) -> Tuple[PackedGraph, GraphOperands]:
@@ -233,21 +273,21 @@ def pack(g: GraphOperands) -> Tuple[PackedGraph, GraphOperands]:
     learnable = [t is not None and t.requires_grad for t in (g.weight, g.weight_t)]
     arrays = [None if i in _WEIGHT_FIELDS and learnable[_WEIGHT_FIELDS.index(i)] else a
               for i, a in enumerate(g)]
-    layout: List[int] = []
+    layout = [0, *_layout_sizes(g)]
     pieces: List[Tensor] = []
     # Bytes that pad each array to PACK_ALIGN; never read, so left unset.
     padding = torch.empty(PACK_ALIGN, dtype=torch.uint8, device=g.col.device)
-    total = 0
-    for a in arrays:
+    for i, a in enumerate(arrays):
         if a is None:
-            layout += [0, -1, 0]
             continue
-        layout += [total, a.numel(), _PACKED_DTYPES.index(a.dtype)]
+        if a.numel() != _field_length(layout, i):
+            raise ValueError(f"{GRAPH_FIELDS[i]} has {a.numel()} entries, "
+                             f"not {_field_length(layout, i)}")
+        layout[0] |= (1 + _PACKED_DTYPES.index(a.dtype)) << (_TYPE_BITS * i)
         nbytes = a.numel() * a.element_size()
         pieces.append(a.detach().contiguous().view(-1).view(torch.uint8))
         if _padded(nbytes) > nbytes:
             pieces.append(padding[:_padded(nbytes) - nbytes])
-        total += _padded(nbytes)
     # One copy of every array (a new graph per batch is built on every step,
     # and each launch there costs host time).
     buffer = torch.cat(pieces) if pieces else padding[:0].clone()
@@ -258,31 +298,41 @@ def pack(g: GraphOperands) -> Tuple[PackedGraph, GraphOperands]:
 
 def without_weights(layout: List[int]) -> List[int]:
     """``layout`` with the edge values (``weight``, ``row_scale``, ``weight_t``)
-    marked absent: for other edge values, passed apart."""
-    out = list(layout)
+    marked as not to be read: for other edge values, passed apart."""
+    flags = layout[0]
     for name in ("weight", "row_scale", "weight_t"):
-        out[3 * GRAPH_FIELDS.index(name) + 1] = -1
-    return out
+        flags |= 1 << (_UNREAD_BITS + GRAPH_FIELDS.index(name))
+    return [flags, *layout[1:]]
 
 
 def layout_dtype(layout: List[int], name: str) -> Optional[torch.dtype]:
     """The type of field ``name`` in the buffer (None: absent)."""
     i = GRAPH_FIELDS.index(name)
-    return None if layout[3 * i + 1] < 0 else _PACKED_DTYPES[layout[3 * i + 2]]
+    return _PACKED_DTYPES[_field_type(layout[0], i) - 1] if _is_read(layout[0], i) else None
 
 
 def layout_numel(layout: List[int], name: str) -> int:
     """Entries of field ``name`` in the buffer (-1: absent)."""
-    return layout[3 * GRAPH_FIELDS.index(name) + 1]
+    i = GRAPH_FIELDS.index(name)
+    return _field_length(layout, i) if _is_read(layout[0], i) else -1
 
 
 def _views_of(index: Tensor, layout: List[int], weight: Optional[Tensor],
               weight_t: Optional[Tensor]) -> GraphOperands:
     views = []
-    for offset, numel, code in zip(layout[::3], layout[1::3], layout[2::3]):
-        dtype = _PACKED_DTYPES[code]
-        views.append(None if numel < 0 else
-                     index[offset:offset + numel * dtype.itemsize].view(dtype))
+    offset = 0
+    for i in range(len(GRAPH_FIELDS)):
+        code = _field_type(layout[0], i)
+        if not code:
+            views.append(None)
+            continue
+        dtype = _PACKED_DTYPES[code - 1]
+        nbytes = _field_length(layout, i) * dtype.itemsize
+        if _is_read(layout[0], i):
+            views.append(index[offset:offset + nbytes].view(dtype))
+        else:
+            views.append(None)
+        offset += _padded(nbytes)
     return _with_weights(GraphOperands(*views), weight, weight_t)
 
 
@@ -301,20 +351,23 @@ def unpack(index: Tensor, weight: Optional[Tensor], weight_t: Optional[Tensor],
     ``index`` (for the buffer of a live graph, the views made when it was
     packed: a dictionary lookup instead of twelve slices in eager mode), with
     ``weight`` and ``weight_t`` where given."""
-    views = _known_views(index)
-    if views is None:
+    entry = _known_views(index)
+    if entry is None:
         return _views_of(index, layout, weight, weight_t)
-    present = [v if numel >= 0 else None for v, numel in zip(views, layout[1::3])]
-    return _with_weights(GraphOperands(*present), weight, weight_t)
+    views = entry.views
+    if layout[0] != entry.flags:  # fields not to be read (:func:`without_weights`)
+        views = GraphOperands(*[v if _is_read(layout[0], i) else None
+                                for i, v in enumerate(views)])
+    return _with_weights(views, weight, weight_t)
 
 
 class _Views:
-    """The views of one packed buffer, owned by its graph (see
-    :func:`_known_views`)."""
-    __slots__ = ("index", "views", "__weakref__")
+    """The views of one packed buffer and its layout's flags, owned by its
+    graph (see :func:`_known_views`)."""
+    __slots__ = ("index", "views", "flags", "__weakref__")
 
-    def __init__(self, index: Tensor, views: GraphOperands) -> None:
-        self.index, self.views = index, views
+    def __init__(self, index: Tensor, views: GraphOperands, flags: int) -> None:
+        self.index, self.views, self.flags = index, views, flags
 
 
 #: ``id(buffer) -> weakref(_Views)``: an entry holds its buffer, so the
@@ -323,7 +376,7 @@ _VIEWS: Dict[int, "weakref.ref[_Views]"] = {}
 
 
 def _register_views(packed: PackedGraph, views: GraphOperands) -> _Views:
-    entry = _Views(packed.index, views)
+    entry = _Views(packed.index, views, packed.layout[0])
     key = id(packed.index)
 
     def forget(ref):
@@ -334,10 +387,10 @@ def _register_views(packed: PackedGraph, views: GraphOperands) -> _Views:
     return entry
 
 
-def _known_views(index: Tensor) -> Optional[GraphOperands]:
+def _known_views(index: Tensor) -> Optional[_Views]:
     ref = _VIEWS.get(id(index))
     entry = ref() if ref is not None else None
-    return entry.views if entry is not None and entry.index is index else None
+    return entry if entry is not None and entry.index is index else None
 
 
 class CSRGraph:

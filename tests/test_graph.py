@@ -211,3 +211,58 @@ def test_a_graph_the_cache_serves_often_gets_the_exact_schedule():
     assert CSRGraph.from_adj(ei, (8, 8)) is graph
     assert graph.is_prepared(4)
     assert not graph.schedule(max_edges_per_item(4)).bounded
+
+
+@pytest.mark.parametrize("every_field", [True, False])
+def test_packed_operands_come_back_from_the_bytes_and_six_integers(every_field):
+    # What a compiled call unpacks: a buffer that is not a live graph's own
+    # (no views to find), read through its layout alone.
+    from pyg_maxk.graph import (
+        GRAPH_FIELDS,
+        GraphOperands,
+        layout_dtype,
+        layout_numel,
+        pack,
+        unpack,
+        without_weights,
+    )
+    gen = torch.Generator().manual_seed(0)
+
+    def ints(n, dtype=torch.int32):
+        return torch.randint(0, 50, (n,), dtype=dtype, generator=gen)
+
+    num_dst, num_src, num_edges, num_items, num_zeroed = 5, 7, 11, 3, 2
+    schedule = [ints(num_items) for _ in range(4)] + [ints(num_zeroed, torch.int64)]
+    g = GraphOperands(ints(num_dst + 1, torch.int64), ints(num_edges),
+                      torch.rand(num_edges, dtype=torch.float64, generator=gen),
+                      torch.rand(num_dst, generator=gen).bfloat16(), *schedule,
+                      ints(num_src + 1), ints(num_edges), torch.rand(num_edges, generator=gen))
+    if not every_field:  # absent fields between present ones shift no offset
+        g = g._replace(weight=None, item_row=None, item_start=None, item_end=None,
+                       item_split=None, zeroed_rows=None, colptr=None)
+    packed, views = pack(g)
+    assert len(packed.layout) == 6
+    copy = packed.index.clone()
+    for got in (views, unpack(copy, None, None, packed.layout)):
+        for name, want, have in zip(GRAPH_FIELDS, g, got):
+            if want is None:
+                assert have is None, name
+            else:
+                assert have.dtype == want.dtype and torch.equal(have, want), name
+    assert layout_dtype(packed.layout, "row_scale") == torch.bfloat16
+    assert layout_numel(packed.layout, "col") == num_edges
+    assert layout_numel(packed.layout, "colptr") == (num_src + 1 if every_field else -1)
+    light = unpack(copy, None, None, without_weights(packed.layout))
+    assert light.weight is None and light.row_scale is None and light.weight_t is None
+    assert torch.equal(light.row_t, g.row_t) and torch.equal(light.col, g.col)
+
+
+def test_packing_keeps_edge_values_that_need_a_gradient_apart():
+    from pyg_maxk.graph import GraphOperands, pack, unpack
+    weight = torch.rand(4, requires_grad=True)
+    g = GraphOperands(torch.tensor([0, 1, 4], dtype=torch.int32),
+                      torch.tensor([0, 1, 2, 0], dtype=torch.int32), weight, *[None] * 9)
+    packed, _ = pack(g)
+    assert packed.weight is weight
+    got = unpack(packed.index.clone(), packed.weight, None, packed.layout)
+    assert got.weight is weight and torch.equal(got.col, g.col)
