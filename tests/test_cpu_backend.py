@@ -74,6 +74,55 @@ def test_aggregation_kernels_write_every_entry():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("normalization", ["sum", "gcn"])
+@pytest.mark.parametrize("given", ["agg", "agg,values,dense", "values", "dense", "agg,dense"])
+def test_features_gradient_kernel_against_float64(dtype, normalization, given):
+    # MaxK + aggregation's gradient w.r.t. the features in one kernel: the
+    # SSpMM, the sum with the CBSR's and the dense form's gradients, and
+    # densify; every entry of a poisoned output written.
+    from pyg_maxk.kernels import cpu
+    size, dim, k = ((14, 11) if normalization == "sum" else (14, 14)), 40, 5
+    ei = random_edge_index(*size, 50, seed=2)
+    w = torch.rand(50) + 0.1 if normalization == "gcn" else None
+    graph = CSRGraph.from_adj(ei, size, edge_weight=w, normalization=normalization)
+    ops = unpack(*graph.operands(k))
+    h = random_cbsr(size[0], dim, k, dtype)
+    g = torch.Generator().manual_seed(3)
+    grads = {"agg": torch.randn(size[1], dim, generator=g, dtype=dtype),
+             "values": torch.randn(size[0], k, generator=g, dtype=dtype),
+             "dense": torch.randn(size[0], dim, generator=g, dtype=dtype)}
+    present = {name: grads[name] if name in given.split(",") else None for name in grads}
+    a = graph.torch_csr(torch.float64)
+    kept = torch.zeros(size[0], k, dtype=torch.float64)
+    if present["agg"] is not None:
+        kept += torch.sparse.mm(a.t().to_sparse_csr(), grads["agg"].double()).gather(
+            1, h.long_indices())
+    if present["values"] is not None:
+        kept += grads["values"].double()
+    if present["dense"] is not None:
+        kept += grads["dense"].double().gather(1, h.long_indices())
+    ref = torch.zeros(size[0], dim, dtype=torch.float64).scatter_(1, h.long_indices(), kept)
+    out = torch.full((size[0], dim), float("nan"), dtype=dtype)
+    weight, weighted = cpu_ops._weight(ops.weight_t, dtype, out)
+    placeholder = out[:1]
+    arrays = [(placeholder if t is None else t).numpy() for t in present.values()]
+    cpu.input_grad_rows(ops.colptr.numpy(), ops.row_t.numpy(), weight, weighted,
+                        h.indices.numpy(), arrays[0], present["agg"] is not None, arrays[1],
+                        present["values"] is not None, arrays[2], present["dense"] is not None,
+                        out.numpy())
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else {}
+    torch.testing.assert_close(out.double(), ref, **tol)
+    # The op takes the kernel on the cpu backend; the same result as the torch
+    # backend's separate steps.
+    from pyg_maxk.ops import _library as lib
+    packed = graph.operands(k)
+    results = [lib.maxk_input_grad(*packed, h.indices, *present.values(), dim, dtype, backend)
+               for backend in ("cpu", "torch")]
+    torch.testing.assert_close(results[0], results[1], **tol)
+    torch.testing.assert_close(results[0].double(), ref, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("rows,dim,k,out_features,bias", [
     (40, 24, 5, 7, True), (13, 300, 9, 16, False), (0, 40, 3, 5, True), (6, 64, 10, 0, True),
     (1, 8, 1, 3, False)])

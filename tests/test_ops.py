@@ -59,6 +59,11 @@ def op_cases(backend, dtype=torch.float32):
             cases.append((lib.maxk_aggregate, (x, k, *ops, num_dst, with_dense, backend)))
         if graph.weight is not None:
             cases.append((lib.maxk_aggregate, (x, k, *learnable, num_dst, True, backend)))
+        grad_values = torch.randn(num_src, k, device=DEVICE, dtype=dtype)
+        grad_dense = torch.randn(num_src, dim, device=DEVICE, dtype=dtype)
+        for given in ((grad_out, None, None), (grad_out, grad_values, grad_dense),
+                      (None, grad_values, None), (None, None, grad_dense)):
+            cases.append((lib.maxk_input_grad, (*ops, indices, *given, dim, dtype, backend)))
         dense = torch.randn(num_src, dim, device=DEVICE, dtype=dtype, requires_grad=True)
         weight = None if graph.weight is None else graph.weight.to(dtype)
         cases.append((lib.spmm, (graph.rowptr, graph.col, weight, dense, num_src, False)))
@@ -230,3 +235,4 @@ def test_maxk_aggregate_equals_its_steps(backend, with_dense):
             results.append((agg, h.to_dense(), *torch.autograd.grad(loss, [x, edge_values])))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+

@@ -6,7 +6,10 @@ row, no atomics.
   for every edge ``e = (c -> r)``; ``E * k`` multiply-adds instead of the
   ``E * dim`` of a dense product.
 * Backward, over the rows ``c`` of the transposed graph (one writer per
-  gradient row): ``grad_values[c, j] += a_e * grad_out[r, indices[c, j]]``.
+  gradient row): ``grad_values[c, j] += a_e * grad_out[r, indices[c, j]]``;
+  with the other gradients of the kept entries added and the sum densified
+  in the same pass, the features' gradient of MaxK and the aggregation
+  (:func:`input_grad_rows`).
 * Gradient w.r.t. the edge values, over CSR rows ``r`` (a sampled
   dense-dense product, SDDMM): ``grad_weight[e] = sum_j values[c, j] *
   grad_out[r, indices[c, j]]``, ``E * k`` multiply-adds.
@@ -77,6 +80,48 @@ def sspmm_rows(colptr, row, weight_t, weighted, indices, grad_out, grad_values):
             a = weight_t[e] if weighted else 1.0
             for j in range(k):
                 grad_values[c, j] += a * grad_out[r, indices[c, j]]
+
+
+#: Rows per parallel task of :func:`input_grad_rows` (its scratch row is
+#: allocated once per task).
+INPUT_GRAD_BLOCK_ROWS = 16
+
+
+@keyed_files
+@njit(parallel=True, cache=True)
+def input_grad_rows(colptr, row, weight_t, weighted, indices, grad_agg, has_agg, grad_values,
+                    has_values, grad_dense, has_dense, grad_x):
+    """``grad_x[N, dim]``, the gradient of MaxK and the aggregation of its
+    CBSR w.r.t. the features, per row ``c`` of the transposed graph: at each
+    kept column ``indices[c, j]`` the SSpMM sum of :func:`sspmm_rows`
+    (``has_agg``), plus ``grad_values[c, j]`` (``has_values``), plus
+    ``grad_dense`` there (``has_dense``), added in that order; zero
+    elsewhere. The sums run in a contiguous scratch row (so that they
+    vectorise, as :func:`sspmm_rows`'s do) and are written once; the
+    separate ops would write and read two ``[N, k]`` intermediates."""
+    n, k = indices.shape
+    for block in prange((n + INPUT_GRAD_BLOCK_ROWS - 1) // INPUT_GRAD_BLOCK_ROWS):
+        acc = np.empty(k, grad_x.dtype)
+        for c in range(block * INPUT_GRAD_BLOCK_ROWS, min(n, (block + 1) * INPUT_GRAD_BLOCK_ROWS)):
+            kept = indices[c]
+            acc[:] = 0
+            if has_agg:
+                for e in range(colptr[c], colptr[c + 1]):
+                    g = grad_agg[row[e]]
+                    a = weight_t[e] if weighted else 1.0
+                    for j in range(k):
+                        acc[j] += a * g[kept[j]]
+            if has_values:
+                for j in range(k):
+                    acc[j] += grad_values[c, j]
+            if has_dense:
+                g = grad_dense[c]
+                for j in range(k):
+                    acc[j] += g[kept[j]]
+            out = grad_x[c]
+            out[:] = 0
+            for j in range(k):
+                out[kept[j]] = acc[j]
 
 
 @keyed_files

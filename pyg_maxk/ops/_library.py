@@ -328,27 +328,54 @@ def _maxk_aggregate_setup(ctx, inputs, output) -> None:
 
 
 def _maxk_aggregate_backward(ctx, grad_agg, grad_values, grad_indices, grad_dense):
-    # The gradient of the kept values: the SSpMM of the aggregation's, plus
-    # the CBSR's and the dense form's own; then densified into x's shape.
     indices, values, graph = _saved_with_graph(ctx)
     grads = [None] * NUM_GRAPH_ARGS
     if grad_agg is not None:
         grad_agg = grad_agg.contiguous()
         grads = _graph_grads(ctx, graph, values, indices, grad_agg)
+    grad_dense = grad_dense if ctx.with_dense else None
     grad_x = None
-    if ctx.needs_input_grad[0]:
-        grad = None
-        if grad_agg is not None:
-            grad = as_dtype(sspmm(*graph, indices, grad_agg, indices.size(0), ctx.backend),
-                            ctx.values_dtype)
-        if grad_values is not None:
-            grad = grad_values if grad is None else grad + grad_values
-        if grad_dense is not None and ctx.with_dense:
-            sampled = gather_at(grad_dense, indices, ctx.backend)
-            grad = sampled if grad is None else grad + sampled
-        if grad is not None:
-            grad_x = cbsr_to_dense(grad.contiguous(), indices, ctx.dim, ctx.backend)
+    if ctx.needs_input_grad[0] and any(t is not None for t in (grad_agg, grad_values, grad_dense)):
+        grad_x = maxk_input_grad(*graph, indices, grad_agg, grad_values, grad_dense, ctx.dim,
+                                 ctx.values_dtype, ctx.backend)
     return (grad_x, None, *grads, None, None, None)
+
+
+# ------------------------------ the features' gradient of maxk_aggregate
+def _maxk_input_grad(index: Tensor, weight: Optional[Tensor], weight_t: Optional[Tensor],
+                     layout: List[int], indices: Tensor, grad_agg: Optional[Tensor],
+                     grad_values: Optional[Tensor], grad_dense: Optional[Tensor], dim: int,
+                     dtype: torch.dtype, backend: str) -> Tensor:
+    # The gradient of the kept values (the SSpMM of the aggregation's, plus
+    # the CBSR's and the dense form's own), densified into x's shape: one
+    # CPU kernel where the CPU backend runs both steps on one dtype.
+    given = [t for t in (grad_agg, grad_values, grad_dense) if t is not None]
+    if all(t.dtype == dtype for t in given) and \
+            choose("aggregate", given[0], requested=backend, dim=dim, k=indices.size(1)) == \
+            choose("densify", given[0], requested=backend, dim=dim, k=indices.size(1)) == "cpu":
+        from . import cpu_ops
+        return cpu_ops.maxk_input_grad(unpack(index, weight, weight_t, layout), indices,
+                                       grad_agg, grad_values, grad_dense, dim, dtype)
+    grad = None
+    if grad_agg is not None:
+        grad = as_dtype(_sspmm(index, weight, weight_t, layout, indices, grad_agg.contiguous(),
+                               indices.size(0), backend), dtype)
+    if grad_values is not None:
+        grad = grad_values if grad is None else grad + grad_values
+    if grad_dense is not None:
+        sampled = _gather_at(grad_dense.contiguous(), indices, backend)
+        grad = sampled if grad is None else grad + sampled
+    return _cbsr_to_dense(grad.contiguous(), indices, dim, backend)
+
+
+def _maxk_input_grad_fake(index, weight, weight_t, layout, indices, grad_agg, grad_values,
+                          grad_dense, dim, dtype, backend):
+    return indices.new_empty(indices.size(0), dim, dtype=dtype)
+
+
+#: The gradient of :data:`maxk_aggregate` w.r.t. its features ``[N, dim]``,
+#: from those of its outputs (each None when absent); no autograd of its own.
+maxk_input_grad = KernelOp("maxk_input_grad", _maxk_input_grad, _maxk_input_grad_fake)
 
 
 #: MaxK and the aggregation of its CBSR (and, asked for, its dense form) as
@@ -490,5 +517,5 @@ cbsr_linear = KernelOp("cbsr_linear", _cbsr_linear, _cbsr_linear_fake, _cbsr_lin
                        _cbsr_linear_backward)
 
 #: Every op of this module, for tests (opcheck) and docs.
-ALL_OPS = (maxk_select, cbsr_to_dense, gather_at, spgemm, maxk_aggregate, sspmm, sddmm, spmm,
-           cbsr_linear, cbsr_linear_backward)
+ALL_OPS = (maxk_select, cbsr_to_dense, gather_at, spgemm, maxk_aggregate, maxk_input_grad,
+           sspmm, sddmm, spmm, cbsr_linear, cbsr_linear_backward)

@@ -79,6 +79,29 @@ def sspmm(g: GraphOperands, indices: Tensor, grad_out: Tensor, num_src: int) -> 
     return grad_values
 
 
+def maxk_input_grad(g: GraphOperands, indices: Tensor, grad_agg: Optional[Tensor],
+                    grad_values: Optional[Tensor], grad_dense: Optional[Tensor],
+                    dim: int, dtype: torch.dtype) -> Tensor:
+    """The gradient ``[num_src, dim]`` of MaxK and the aggregation of its
+    CBSR w.r.t. the features, from the gradients of the aggregation
+    (``[num_dst, dim]``), of the CBSR values (``[num_src, k]``) and of the
+    dense form (``[num_src, dim]``), each None when absent; all of
+    ``dtype``. :func:`sspmm`, the sum and :func:`cbsr_to_dense` in one
+    kernel (``kernels.input_grad_rows``)."""
+    grad_x = torch.empty(indices.size(0), dim, dtype=dtype)           # [num_src, dim]
+    if grad_x.numel() == 0:
+        return grad_x
+    placeholder = grad_x[:1]
+    weight, weighted = _weight(g.weight_t, dtype, grad_x)
+    arrays = [placeholder if t is None else t.detach().contiguous()
+              for t in (grad_agg, grad_values, grad_dense)]
+    kernels.input_grad_rows(g.colptr.numpy(), g.row_t.numpy(), weight, weighted,
+                            indices.contiguous().numpy(), arrays[0].numpy(), grad_agg is not None,
+                            arrays[1].numpy(), grad_values is not None, arrays[2].numpy(),
+                            grad_dense is not None, grad_x.numpy())
+    return grad_x
+
+
 def sddmm(g: GraphOperands, values: Tensor, indices: Tensor, grad_out: Tensor) -> Tensor:
     """The gradient ``[E]`` of :func:`spgemm` w.r.t. the edge values (in CSR
     order), one thread per output row."""
