@@ -236,3 +236,14 @@ def test_maxk_aggregate_equals_its_steps(backend, with_dense):
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
+
+def test_a_backward_through_an_op_without_autograd_is_a_clear_error():
+    # The backward's own ops (sspmm, sddmm, maxk_input_grad) have no
+    # autograd: differentiating them again (create_graph=True) raises instead
+    # of dropping their terms silently.
+    graph = _graph(12, 12, 40, "sum")
+    x = torch.randn(12, 20, device=DEVICE, requires_grad=True)
+    agg, *_ = lib.maxk_aggregate(x, 4, *graph.operands(4), 12, False, "torch")
+    (grad_x,) = torch.autograd.grad(agg.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        grad_x.sum().backward()

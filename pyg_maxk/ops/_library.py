@@ -93,7 +93,12 @@ class KernelOp:
                 if type(a) not in _PLAIN_TENSORS:
                     return self.op(*args)
                 needs_grad = needs_grad or a.requires_grad
-        if needs_grad and self.function is not None and torch.is_grad_enabled():
+        if needs_grad and torch.is_grad_enabled():
+            if self.function is None:
+                # An op without autograd (a backward's own op, differentiated
+                # again under create_graph=True): the dispatcher's output
+                # raises a clear error if a backward reaches it.
+                return self.op(*args)
             if torch._C._are_functorch_transforms_active():
                 return self.function.apply(*args)
             return self._apply(*args)
