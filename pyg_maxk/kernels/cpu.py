@@ -100,28 +100,30 @@ def input_grad_rows(colptr, row, weight_t, weighted, indices, grad_agg, has_agg,
     vectorise, as :func:`sspmm_rows`'s do) and are written once; the
     separate ops would write and read two ``[N, k]`` intermediates."""
     n, k = indices.shape
+    dim = grad_x.shape[1]
+    # Two-dimensional indexing throughout: row views (``grad_x[c]``) and
+    # slice fills here made the kernel twice as slow.
     for block in prange((n + INPUT_GRAD_BLOCK_ROWS - 1) // INPUT_GRAD_BLOCK_ROWS):
         acc = np.empty(k, grad_x.dtype)
         for c in range(block * INPUT_GRAD_BLOCK_ROWS, min(n, (block + 1) * INPUT_GRAD_BLOCK_ROWS)):
-            kept = indices[c]
-            acc[:] = 0
+            for j in range(k):
+                acc[j] = 0
             if has_agg:
                 for e in range(colptr[c], colptr[c + 1]):
-                    g = grad_agg[row[e]]
+                    r = row[e]
                     a = weight_t[e] if weighted else 1.0
                     for j in range(k):
-                        acc[j] += a * g[kept[j]]
+                        acc[j] += a * grad_agg[r, indices[c, j]]
             if has_values:
                 for j in range(k):
                     acc[j] += grad_values[c, j]
             if has_dense:
-                g = grad_dense[c]
                 for j in range(k):
-                    acc[j] += g[kept[j]]
-            out = grad_x[c]
-            out[:] = 0
+                    acc[j] += grad_dense[c, indices[c, j]]
+            for d in range(dim):
+                grad_x[c, d] = 0
             for j in range(k):
-                out[kept[j]] = acc[j]
+                grad_x[c, indices[c, j]] = acc[j]
 
 
 @keyed_files
