@@ -101,8 +101,8 @@ def input_grad_rows(colptr, row, weight_t, weighted, indices, grad_agg, has_agg,
     separate ops would write and read two ``[N, k]`` intermediates."""
     n, k = indices.shape
     dim = grad_x.shape[1]
-    # Two-dimensional indexing throughout: row views (``grad_x[c]``) and
-    # slice fills here made the kernel twice as slow.
+    # Two-dimensional indexing throughout: with row views (``grad_x[c]``)
+    # and slice fills this kernel takes twice as long.
     for block in prange((n + INPUT_GRAD_BLOCK_ROWS - 1) // INPUT_GRAD_BLOCK_ROWS):
         acc = np.empty(k, grad_x.dtype)
         for c in range(block * INPUT_GRAD_BLOCK_ROWS, min(n, (block + 1) * INPUT_GRAD_BLOCK_ROWS)):
