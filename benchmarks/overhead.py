@@ -17,7 +17,11 @@ is named) and with a new ``edge_index`` tensor every step (as mini-batches
 give; stock on ``edge_index``). On the fixed graph also the stock step in
 each form with PyG's ``propagate`` as the identity (no aggregation at all):
 the fastest stock step over that of its form bounds what a faster
-aggregation alone can gain there. On a GPU also the host syncs
+aggregation alone can gain there. Compiled (``torch.compile`` default mode;
+on a GPU also ``reduce-overhead``): MaxK with ``fullgraph=True`` on a
+prepared graph against stock compiled on ``edge_index`` (the form dynamo
+compiles), and MaxK's eager step on the same graph beside them, each
+checked against eager first. On a GPU also the host syncs
 (``torch.cuda.set_sync_debug_mode``, with the package's lines that sync) and
 kernel launches per step. On a CPU, denormal floats are flushed to zero
 on both sides, as in ``train.py``.
@@ -32,6 +36,7 @@ import contextlib
 import os
 import time
 import traceback
+import types
 import warnings
 from pathlib import Path
 
@@ -39,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from common import RESULTS, environment, paired_speedup, pyplot, rel_error, save, time_interleaved
 from torch_geometric.nn import MessagePassing
-from train import adjacency
+from train import adjacency, check_compiled, prepared_graph
 
 import pyg_maxk
 from pyg_maxk import CSRGraph
@@ -87,6 +92,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="the cpu backend on a CPU (CI)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="interleaved rounds of 5 steps (default: 3 with --tiny, else 30)")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
     dev = torch.device("cpu" if args.tiny else "cuda")
@@ -110,7 +117,7 @@ def main(argv=None):
         lambda: torch.sparse.mm(g.torch_csr(torch.float32), x), dev)
     print({k: v for k, v in results.items() if k.startswith("host")}, flush=True)
     results["steps"] = small_graph_steps(dev, backend, scale=0.2 if args.tiny else 1.0,
-                                         rounds=3 if args.tiny else 30)
+                                         rounds=args.rounds or (3 if args.tiny else 30))
     if not args.tiny:
         results.update(profile_reddit(dev))
     name = "overhead-tiny" if args.tiny else "overhead"
@@ -143,6 +150,38 @@ def forward_backward_host_us(g, x, dev) -> dict:
         "torch_linear": lambda: F.linear(xg, w).backward(ones),
     }
     return {f"host_us_fwd_bwd_{name}": host_us(fn, dev) for name, fn in cases.items()}
+
+
+def _compiled_train_step(model, x, adj, y, mode: str):
+    """One step of ``torch.compile(model, mode=mode)`` (fullgraph on a
+    prepared MaxK graph), after checking its loss and gradients against
+    eager's."""
+    cudagraphs = mode == "reduce-overhead"
+    _forward_of_its_own(model)
+    compiled = torch.compile(model, mode=None if mode == "default" else mode,
+                             fullgraph=isinstance(adj, CSRGraph))
+    check_compiled(model, compiled, x, adj, y, cudagraphs)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+
+    def step():
+        if cudagraphs:  # a new iteration of CUDA-graph replays
+            torch.compiler.cudagraph_mark_step_begin()
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(compiled(x, adj), y).backward()
+        opt.step()
+    return step
+
+
+def _forward_of_its_own(model) -> None:
+    """Give ``model`` a forward with a code object of its own. Dynamo keeps
+    compiled code per code object, and the MaxK and stock models share their
+    class's forward: compiled one after the other, the stock model's graph
+    breaks would reach the MaxK model's ``fullgraph`` code."""
+    f = type(model).forward
+    own = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__,
+                             f.__closure__)
+    own.__kwdefaults__ = f.__kwdefaults__
+    model.forward = types.MethodType(own, model)
 
 
 def _train_step(model, x, adj_of, y, without_message_passing=False):
@@ -216,23 +255,19 @@ def small_graph_steps(dev, backend: str, scale: float, rounds: int) -> dict:
     classes = int(data.num_classes)
     stock_forms = {"edge_index": ei, "csr": adjacency("csr", ei, n)}
     table = {}
+    scenarios = ["fixed graph", "new graph", "compiled default"]
+    if dev.type == "cuda":
+        scenarios.append("compiled reduce-overhead")
+        # Full-batch features never change: as a static input, CUDA graphs
+        # read them in place instead of copying them on every replay.
+        torch._dynamo.mark_static_address(x)
     for kind, cls in STEP_MODELS.items():
         def model(k):
             torch.manual_seed(0)
             return cls(x.size(1), 256, 2, classes, k=k).to(dev)
-        for scenario in ("fixed graph", "new graph"):
-            new = scenario == "new graph"
-            steps = {"maxk k=32": _train_step(model(32), x, (lambda: ei.clone()) if new
-                                               else (lambda: ei), y)}
-            for form, adj in stock_forms.items():
-                if new and form != "edge_index":
-                    continue
-                steps[f"stock {form}"] = _train_step(
-                    model(None), x, (lambda: ei.clone()) if new else (lambda a=adj: a), y)
-                if not new:
-                    steps[f"{NO_MESSAGE_PASSING} {form}"] = _train_step(
-                        model(None), x, lambda a=adj: a, y, without_message_passing=True)
+        for scenario in scenarios:
             with pyg_maxk.use_backend(backend):
+                steps = _scenario_steps(scenario, kind, model, x, ei, y, stock_forms)
                 times = time_interleaved(steps, dev, rounds=rounds, per_round=5, warmup=5)
                 entry = {"times": times}
                 stock = {name: t["median_ms"] for name, t in times.items()
@@ -248,22 +283,64 @@ def small_graph_steps(dev, backend: str, scale: float, rounds: int) -> dict:
                     # normalisation, which stays in this step).
                     entry["speedup_without_message_passing"] = paired_speedup(
                         times[fastest], times[floor])
+                if MAXK_EAGER in times:
+                    entry["compiled_over_eager"] = paired_speedup(times[MAXK_EAGER],
+                                                                  times["maxk k=32"])
                 if dev.type == "cuda":
                     for name, step in steps.items():
                         entry.setdefault("syncs", {})[name] = host_syncs(step)
                         entry.setdefault("launches", {})[name] = kernel_launches(step)
             table[f"{kind} {scenario}"] = entry
-            s = entry["speedup"]
-            bound = entry.get("speedup_without_message_passing")
-            print(f"{kind:4s} {scenario:11s}: MaxK {times['maxk k=32']['median_ms']:.3f} ms, "
-                  f"stock {entry['fastest_stock']} {stock[fastest]:.3f} ms: "
-                  f"{s['speedup']:.2f}x ({s['ci95'][0]:.2f}-{s['ci95'][1]:.2f})"
-                  + (f"; without message passing {bound['speedup']:.2f}x" if bound else "")
-                  + (f"; syncs {entry['syncs']['maxk k=32']['count']} vs "
-                     f"{entry['syncs'][fastest]['count']}, launches "
-                     f"{entry['launches']['maxk k=32']} vs {entry['launches'][fastest]}"
-                     if "syncs" in entry else ""), flush=True)
+            _print_step(kind, scenario, entry, stock[fastest])
+            if scenario.startswith("compiled"):
+                torch._dynamo.reset()  # the next models compile afresh
     return table
+
+
+#: The eager MaxK step timed beside the compiled ones.
+MAXK_EAGER = "maxk k=32 eager"
+
+
+def _scenario_steps(scenario: str, kind: str, model, x, ei, y, stock_forms: dict) -> dict:
+    """The steps timed together in ``scenario``: MaxK's first."""
+    if scenario.startswith("compiled"):
+        mode = scenario[len("compiled "):]
+        graph = prepared_graph(kind, ei, x.size(0), 32)
+        return {"maxk k=32": _compiled_train_step(model(32), x, graph, y, mode),
+                f"stock edge_index compiled {mode}": _compiled_train_step(
+                    model(None), x, ei, y, mode),
+                MAXK_EAGER: _train_step(model(32), x, lambda: graph, y)}
+    new = scenario == "new graph"
+    steps = {"maxk k=32": _train_step(model(32), x, (lambda: ei.clone()) if new
+                                       else (lambda: ei), y)}
+    for form, adj in stock_forms.items():
+        if new and form != "edge_index":
+            continue
+        steps[f"stock {form}"] = _train_step(
+            model(None), x, (lambda: ei.clone()) if new else (lambda a=adj: a), y)
+        if not new:
+            steps[f"{NO_MESSAGE_PASSING} {form}"] = _train_step(
+                model(None), x, lambda a=adj: a, y, without_message_passing=True)
+    return steps
+
+
+def _print_step(kind: str, scenario: str, entry: dict, stock_ms: float) -> None:
+    times, s = entry["times"], entry["speedup"]
+    bound = entry.get("speedup_without_message_passing")
+    eager = entry.get("compiled_over_eager")
+    line = (f"{kind:4s} {scenario:24s}: MaxK {times['maxk k=32']['median_ms']:.3f} ms, "
+            f"stock {entry['fastest_stock']} {stock_ms:.3f} ms: "
+            f"{s['speedup']:.2f}x ({s['ci95'][0]:.2f}-{s['ci95'][1]:.2f})")
+    if bound:
+        line += f"; without message passing {bound['speedup']:.2f}x"
+    if eager:
+        line += f"; MaxK compiled over eager {eager['speedup']:.2f}x"
+    if "syncs" in entry:
+        stock = "stock " + entry["fastest_stock"]
+        line += (f"; syncs {entry['syncs']['maxk k=32']['count']} vs "
+                 f"{entry['syncs'][stock]['count']}, launches "
+                 f"{entry['launches']['maxk k=32']} vs {entry['launches'][stock]}")
+    print(line, flush=True)
 
 
 def plot_steps(steps: dict, hardware: str, path) -> None:
@@ -274,7 +351,7 @@ def plot_steps(steps: dict, hardware: str, path) -> None:
     speedups = [steps[label]["speedup"]["speedup"] for label in labels]
     errors = [[s - steps[label]["speedup"]["ci95"][0] for label, s in zip(labels, speedups)],
               [steps[label]["speedup"]["ci95"][1] - s for label, s in zip(labels, speedups)]]
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     ax.bar(range(len(labels)), speedups, yerr=errors, color="tab:green")
     bounds = [(i, steps[label]["speedup_without_message_passing"]["speedup"])
               for i, label in enumerate(labels)
@@ -284,7 +361,8 @@ def plot_steps(steps: dict, hardware: str, path) -> None:
                    label="stock without message passing (bound)")
         ax.legend(fontsize=8)
     ax.axhline(1, color="grey", lw=0.8)
-    ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
+    names = [f"{label}\n(stock {steps[label]['fastest_stock']})" for label in labels]
+    ax.set_xticks(range(len(labels)), names, rotation=30, ha="right", fontsize=7)
     ax.set_ylabel("MaxK speedup over the fastest stock form")
     ax.set_title(f"Cora-sized training step, k=32: {hardware}")
     fig.tight_layout()
