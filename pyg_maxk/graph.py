@@ -234,6 +234,7 @@ _FIELD_LENGTHS = (
     (4, 1), (1, 0), (1, 0),          # colptr, row_t, weight_t
 )
 _TYPE_BITS = 3
+_TYPE_MASK = (1 << _TYPE_BITS) - 1
 #: The first of the bits that mark a field as not to be read.
 _UNREAD_BITS = _TYPE_BITS * len(GRAPH_FIELDS)
 
@@ -245,7 +246,7 @@ def _padded(nbytes: int) -> int:
 def _field_type(flags: int, field: int) -> int:
     """The type code of ``field`` in a layout's ``flags``: 1 + its index in
     :data:`_PACKED_DTYPES`, 0 where the field is absent from the buffer."""
-    return (flags >> (_TYPE_BITS * field)) & ((1 << _TYPE_BITS) - 1)
+    return (flags >> (_TYPE_BITS * field)) & _TYPE_MASK
 
 
 def _is_read(flags: int, field: int) -> bool:
@@ -285,7 +286,9 @@ def pack(g: GraphOperands) -> Tuple[PackedGraph, GraphOperands]:
                              f"not {_field_length(layout, i)}")
         layout[0] |= (1 + _PACKED_DTYPES.index(a.dtype)) << (_TYPE_BITS * i)
         nbytes = a.numel() * a.element_size()
-        pieces.append(a.detach().contiguous().view(-1).view(torch.uint8))
+        if a.requires_grad:
+            a = a.detach()
+        pieces.append(a.contiguous().view(torch.uint8))  # every field is one-dimensional
         if _padded(nbytes) > nbytes:
             pieces.append(padding[:_padded(nbytes) - nbytes])
     # One copy of every array (a new graph per batch is built on every step,
@@ -319,19 +322,19 @@ def layout_numel(layout: List[int], name: str) -> int:
 
 def _views_of(index: Tensor, layout: List[int], weight: Optional[Tensor],
               weight_t: Optional[Tensor]) -> GraphOperands:
-    views = []
+    # The layout's arithmetic written out (every new graph's pack comes here).
+    flags = layout[0]
+    views: List[Optional[Tensor]] = []
     offset = 0
-    for i in range(len(GRAPH_FIELDS)):
-        code = _field_type(layout[0], i)
+    for i, (size, plus) in enumerate(_FIELD_LENGTHS):
+        code = (flags >> (_TYPE_BITS * i)) & _TYPE_MASK
         if not code:
             views.append(None)
             continue
         dtype = _PACKED_DTYPES[code - 1]
-        nbytes = _field_length(layout, i) * dtype.itemsize
-        if _is_read(layout[0], i):
-            views.append(index[offset:offset + nbytes].view(dtype))
-        else:
-            views.append(None)
+        nbytes = (layout[1 + size] + plus) * dtype.itemsize
+        unread = (flags >> (_UNREAD_BITS + i)) & 1
+        views.append(None if unread else index[offset:offset + nbytes].view(dtype))
         offset += _padded(nbytes)
     return _with_weights(GraphOperands(*views), weight, weight_t)
 
