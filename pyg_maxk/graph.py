@@ -359,18 +359,22 @@ def unpack(index: Tensor, weight: Optional[Tensor], weight_t: Optional[Tensor],
         return _views_of(index, layout, weight, weight_t)
     views = entry.views
     if layout[0] != entry.flags:  # fields not to be read (:func:`without_weights`)
-        views = GraphOperands(*[v if _is_read(layout[0], i) else None
-                                for i, v in enumerate(views)])
+        views = entry.masked.get(layout[0])
+        if views is None:
+            views = entry.masked[layout[0]] = GraphOperands(
+                *[v if _is_read(layout[0], i) else None for i, v in enumerate(entry.views)])
     return _with_weights(views, weight, weight_t)
 
 
 class _Views:
     """The views of one packed buffer and its layout's flags, owned by its
-    graph (see :func:`_known_views`)."""
-    __slots__ = ("index", "views", "flags", "__weakref__")
+    graph (see :func:`_known_views`); ``masked``: the views that a layout
+    with other flags reads, by its flags."""
+    __slots__ = ("index", "views", "flags", "masked", "__weakref__")
 
     def __init__(self, index: Tensor, views: GraphOperands, flags: int) -> None:
         self.index, self.views, self.flags = index, views, flags
+        self.masked: Dict[int, GraphOperands] = {}
 
 
 #: ``id(buffer) -> weakref(_Views)``: an entry holds its buffer, so the
