@@ -189,7 +189,7 @@ def test_cpu_graphs_skip_the_work_schedule_outside_the_simulator(monkeypatch, ki
     # Numba's simulator (where tests otherwise run) builds none, and the
     # "cpu" backend still gives the stock result, forward and backward.
     from pyg_maxk.graph import unpack
-    monkeypatch.setattr(pyg_maxk.graph, "_simulated_kernels", lambda: False)
+    monkeypatch.setattr(pyg_maxk.graph.csr, "_simulated_kernels", lambda: False)
     pyg_maxk.clear_graph_cache()
     ei = random_edge_index(N, N, 50, seed=3)
     graph = CSRGraph.from_adj(ei, (N, N), cache=False)

@@ -33,8 +33,9 @@ def _edges(seed=3):
 
 @pytest.fixture
 def split_rows(monkeypatch):
-    import pyg_maxk.graph
-    monkeypatch.setattr(pyg_maxk.graph, "PAIRS_PER_ITEM", 8 * K)  # rows of > 8 edges split
+    import pyg_maxk.graph.schedule
+    # Rows of more than 8 edges split.
+    monkeypatch.setattr(pyg_maxk.graph.schedule, "PAIRS_PER_ITEM", 8 * K)
 
 
 def _tol(dtype):

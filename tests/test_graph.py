@@ -5,7 +5,7 @@ import torch
 import pyg_maxk
 from helpers import FORMS, adjacency, random_edge_index
 from pyg_maxk import CSRGraph
-from pyg_maxk.graph import _CACHE
+from pyg_maxk.graph.cache import _CACHE
 
 
 def _dense(graph):

@@ -167,7 +167,7 @@ def test_bad_inputs_raise():
 
 
 def test_graph_built_once_across_layers_and_epochs(monkeypatch):
-    import pyg_maxk.graph as graph_module
+    import pyg_maxk.graph.csr as graph_module
 
     builds, build = [], graph_module._build
     monkeypatch.setattr(graph_module, "_build", lambda *a: builds.append(1) or build(*a))

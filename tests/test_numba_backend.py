@@ -59,7 +59,7 @@ def test_spgemm_and_sspmm_against_float64(normalization, weighted):
 
 def test_heavy_rows_split_across_items(monkeypatch):
     # One row of 200 edges with work items of 16 edges: atomics across items.
-    monkeypatch.setattr(pyg_maxk.graph, "PAIRS_PER_ITEM", 16 * 4)
+    monkeypatch.setattr(pyg_maxk.graph.schedule, "PAIRS_PER_ITEM", 16 * 4)
     src = torch.arange(200) % 25
     dst = torch.cat([torch.zeros(190, dtype=torch.long), torch.arange(1, 11)])
     graph = CSRGraph.from_adj(torch.stack([src, dst]).to(DEVICE), (25, 12))
@@ -73,7 +73,7 @@ def test_bounded_schedule_against_float64(monkeypatch, weighted):
     # edges, split > 0), zeroed rows padded with a scratch row below the
     # output, rows without edges, and a split row; the edge values' gradient
     # (SDDMM) too.
-    monkeypatch.setattr(pyg_maxk.graph, "PAIRS_PER_ITEM", 16 * 4)
+    monkeypatch.setattr(pyg_maxk.graph.schedule, "PAIRS_PER_ITEM", 16 * 4)
     src = torch.arange(120) % 25
     dst = torch.cat([torch.zeros(90, dtype=torch.long), torch.arange(2, 32)])
     w = (torch.rand(120) + 0.1).to(DEVICE) if weighted else None
@@ -170,7 +170,7 @@ def test_value_index_pairs(monkeypatch, dim, k):
     h = random_cbsr(35, dim, k, seed=k)
     pairs = numba_ops._spgemm_operands(h.values, h.indices, num_edges=1)[4]
     assert pairs == reads_pairs(k) == (k != 17)
-    monkeypatch.setattr(pyg_maxk.graph, "PAIRS_PER_ITEM", 16 * k)
+    monkeypatch.setattr(pyg_maxk.graph.schedule, "PAIRS_PER_ITEM", 16 * k)
     ei = random_edge_index(35, 20, 300, seed=k).to(DEVICE)
     w = (torch.rand(300) + 0.1).to(DEVICE)
     for graph in (CSRGraph.from_adj(ei, (35, 20), edge_weight=w),
@@ -389,7 +389,7 @@ def test_half_precision_kernels_every_k(monkeypatch, k):
     # lane per slot and several, flat arrays and (value, index) pairs, a row
     # of 34 edges split over work items of 16.
     dtype, normalization, pairs = every_k_case(k)
-    monkeypatch.setattr(pyg_maxk.graph, "PAIRS_PER_ITEM", 16 * k)
+    monkeypatch.setattr(pyg_maxk.graph.schedule, "PAIRS_PER_ITEM", 16 * k)
     if pairs:
         monkeypatch.setattr(numba_ops, "PAIRS_MIN_EDGES", 0)
     g = torch.Generator().manual_seed(k)
@@ -428,7 +428,7 @@ def test_half_reductions_against_float64(monkeypatch, dim, k, normalization, dty
     # neighbour (several groups per warp), uint8 indices (one word per lane)
     # and int16 ones (two words), a row scale, edge values, rows split over
     # work items.
-    monkeypatch.setattr(pyg_maxk.graph, "PAIRS_PER_ITEM", 16 * k)
+    monkeypatch.setattr(pyg_maxk.graph.schedule, "PAIRS_PER_ITEM", 16 * k)
     others = torch.randint(0, 35, (90,), generator=torch.Generator().manual_seed(k))
     src = torch.cat([torch.arange(300) % 35, others])
     dst = torch.cat([torch.zeros(300, dtype=torch.long), torch.arange(90) % 19 + 1])
@@ -475,7 +475,7 @@ def test_half_precision_value_index_pairs(monkeypatch, dim, k, dtype):
     # k=33 is read from the flat arrays. Forced here on a small graph.
     from pyg_maxk.kernels.spgemm import reads_pairs
     monkeypatch.setattr(numba_ops, "PAIRS_MIN_EDGES", 0)
-    monkeypatch.setattr(pyg_maxk.graph, "PAIRS_PER_ITEM", 16 * k)
+    monkeypatch.setattr(pyg_maxk.graph.schedule, "PAIRS_PER_ITEM", 16 * k)
     h = random_cbsr(35, dim, k, seed=k, dtype=dtype)
     pairs = numba_ops._spgemm_operands(h.values, h.indices, num_edges=1)
     assert pairs[4] == reads_pairs(k, half=True) == (k <= 32)
@@ -550,7 +550,7 @@ def test_half_aggregation_is_the_float32_sum_rounded_once(monkeypatch, dtype, di
     # (float32 partial sums, rounded once after the last) and rows without
     # edges (zeros) included; with the bounded schedule too (zeroed rows
     # padded with a scratch row below the half output).
-    monkeypatch.setattr(pyg_maxk.graph, "PAIRS_PER_ITEM", 16 * 8)
+    monkeypatch.setattr(pyg_maxk.graph.schedule, "PAIRS_PER_ITEM", 16 * 8)
     g = torch.Generator().manual_seed(5)
     src = torch.cat([torch.arange(60) % 30, torch.randint(0, 30, (80,), generator=g)])
     dst = torch.cat([torch.zeros(60, dtype=torch.long), torch.randint(2, 25, (80,), generator=g)])

@@ -178,9 +178,10 @@ def test_edge_value_gradient_against_float64(backend, dim, k, monkeypatch):
     2 and 4 slots per load, groups of lanes wider than ``k`` and several
     chunks per lane (k=160); the torch backend over chunks of 7 edges (the
     last one shorter)."""
-    import pyg_maxk.graph
+    import pyg_maxk.graph.schedule
     from pyg_maxk.ops import torch_ops
-    monkeypatch.setattr(pyg_maxk.graph, "PAIRS_PER_ITEM", 16 * k)  # rows of > 16 edges split
+    # Rows of more than 16 edges split.
+    monkeypatch.setattr(pyg_maxk.graph.schedule, "PAIRS_PER_ITEM", 16 * k)
     monkeypatch.setattr(torch_ops, "SDDMM_CHUNK_ENTRIES", 7 * k + 3)
     dtype = torch.float64 if backend != "numba" else torch.float32
     for num_src, num_dst, num_edges in ((30, 30, 400), (9, 7, 25), (6, 5, 0)):

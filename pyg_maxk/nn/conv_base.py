@@ -14,10 +14,10 @@ from torch_geometric.typing import Size
 from ..cbsr import CBSR
 from ..graph import (
     CSRGraph,
-    _is_edge_index_type,
-    _is_sparse_tensor,
-    _is_torch_sparse,
     graph_with_edge_values,
+    is_edge_index_type,
+    is_sparse_tensor,
+    is_torch_sparse,
 )
 from ..ops import _check_features, aggregate, check_k, maxk, maxk_aggregate, to_dense
 
@@ -71,9 +71,9 @@ def _learnable(edge_weight: Optional[Tensor]) -> bool:
 def _learnable_values(adj: Any, options: dict) -> bool:
     """Whether a sparse ``adj_t``'s values need a gradient and the conv reads
     them (PyG's SAGE and GIN drop a ``SparseTensor``'s values)."""
-    if _is_sparse_tensor(adj):
+    if is_sparse_tensor(adj):
         return options.get("use_sparse_tensor_values", True) and _learnable(adj.storage.value())
-    if _is_torch_sparse(adj):
+    if is_torch_sparse(adj):
         return _learnable(adj._values() if adj.layout == torch.sparse_coo else adj.values())
     return False
 
@@ -97,7 +97,7 @@ def _prepare(graph: CSRGraph, k: int) -> CSRGraph:
 
 
 def _adj_device(adj: Any) -> torch.device:
-    if _is_sparse_tensor(adj):
+    if is_sparse_tensor(adj):
         return adj.device()
     return adj.device
 
@@ -182,9 +182,9 @@ class MaxKConv(MessagePassing):
         raising on any disagreement between ``adj``, ``size`` and ``x``."""
         if isinstance(adj, CSRGraph):
             sizes = [adj.num_src, adj.num_dst]
-        elif _is_sparse_tensor(adj) or _is_torch_sparse(adj):
+        elif is_sparse_tensor(adj) or is_torch_sparse(adj):
             sizes = [int(adj.size(1)), int(adj.size(0))]
-        elif _is_edge_index_type(adj):
+        elif is_edge_index_type(adj):
             sizes = [adj.num_rows, adj.num_cols]
         elif isinstance(adj, Tensor):
             if size is not None and len(size) != 2:

@@ -1,0 +1,69 @@
+"""The adjacency forms PyG's convs accept, told apart without importing
+torch_sparse, and the checks every build makes on them."""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Tuple
+
+import torch
+from torch import Tensor
+
+
+def is_sparse_tensor(adj: Any) -> bool:
+    """True for a :class:`torch_sparse.SparseTensor` (without importing it)."""
+    return type(adj).__name__ == "SparseTensor" and hasattr(adj, "storage")
+
+
+def is_torch_sparse(adj: Any) -> bool:
+    return isinstance(adj, Tensor) and adj.layout in (
+        torch.sparse_coo, torch.sparse_csr, torch.sparse_csc)
+
+
+
+def is_edge_index_type(adj: Any) -> bool:
+    try:
+        from torch_geometric import EdgeIndex
+    except ImportError:  # pragma: no cover - very old PyG
+        return False
+    return isinstance(adj, EdgeIndex)
+
+
+
+def as_sparse_csr(adj: Tensor) -> Tensor:
+    """A ``torch.sparse`` COO/CSC/CSR adjacency as CSR. The conversion is the
+    package's own, so torch's "sparse CSR support is in beta" warning would
+    tell the user nothing."""
+    if adj.layout == torch.sparse_csr:
+        return adj
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return adj.to_sparse_csr()
+
+
+
+def plain(t: Tensor) -> Tensor:
+    """``t`` as a plain tensor (strips :class:`EdgeIndex`)."""
+    return t.as_tensor() if is_edge_index_type(t) else t
+
+
+def check_same_device(adj, edge_weight: Tensor) -> None:
+    device = adj.device() if callable(getattr(adj, "device", None)) else adj.device
+    if edge_weight.device != device:
+        raise ValueError(f"edge_weight is on {edge_weight.device} but the adjacency on "
+                         f"{device}; move both to one device")
+
+
+def check_edge_index(edge_index: Tensor) -> None:
+    if edge_index.dtype.is_floating_point or edge_index.dtype in (torch.bool, torch.complex64):
+        raise ValueError(f"Expected 'edge_index' to be of integer type "
+                         f"(got '{edge_index.dtype}')")
+    if edge_index.dim() != 2 or edge_index.size(0) != 2:
+        raise ValueError(f"Expected 'edge_index' of shape [2, num_edges] "
+                         f"(got {list(edge_index.shape)})")
+
+
+def sparse_size(adj: Any) -> Tuple[int, int]:
+    """``(num_src, num_dst)`` of an ``adj_t``."""
+    return int(adj.size(1)), int(adj.size(0))
+
+

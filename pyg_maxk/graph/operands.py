@@ -1,0 +1,243 @@
+"""The operands the aggregation ops read (:class:`GraphOperands`), packed
+into one byte buffer as the custom ops take them (:class:`PackedGraph`),
+and the views that give them back (:func:`unpack`)."""
+from __future__ import annotations
+
+import weakref
+from typing import Dict, List, NamedTuple, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+
+class GraphOperands(NamedTuple):
+    """Every tensor the aggregation ops read, for one ``k``: what the
+    backends' implementations take (:mod:`pyg_maxk.ops`). The custom ops
+    take it packed (:class:`PackedGraph`); :func:`unpack` gives it back.
+
+    ``colptr``, ``row_t`` and ``weight_t`` (the graph grouped by source: the
+    CPU kernels' backward) exist on CPU graphs only.
+    """
+    rowptr: Tensor                # [num_dst + 1]
+    col: Tensor                   # [E] int32 (int64 beyond int32's range)
+    weight: Optional[Tensor]      # [E] edge values, or None for ones
+    row_scale: Optional[Tensor]   # [num_dst]: every edge value of a row, or None
+    item_row: Optional[Tensor]    # the work schedule (WorkSchedule), which only
+    item_start: Optional[Tensor]  # the CUDA kernels read: None on a CPU graph
+    item_end: Optional[Tensor]    # outside Numba's simulator
+    item_split: Optional[Tensor]
+    zeroed_rows: Optional[Tensor]
+    colptr: Optional[Tensor]      # [num_src + 1]
+    row_t: Optional[Tensor]       # [E]
+    weight_t: Optional[Tensor]    # [E] or None
+
+
+class PackedGraph(NamedTuple):
+    """:class:`GraphOperands` as the custom ops take them: every array in one
+    byte buffer, except edge values that are recomputed on every call (and
+    may need a gradient), which come apart.
+
+    Every tensor crossing a compiled graph's boundary costs host time on each
+    call (a guard, a CUDA-graph input check, a tensor saved for the
+    backward), and small graphs are host-bound: one buffer instead of twelve
+    arrays. ``layout`` is six integers (a list argument costs dispatcher time
+    per element on every compiled call): the type of every field of
+    :data:`GRAPH_FIELDS` in the buffer (3 bits each, 0 where it is absent)
+    and one bit each for fields in the buffer that are not to be read
+    (:func:`without_weights`), then the sizes every field's length follows
+    from (:data:`LAYOUT_SIZES`). The fields lie in their order, each at the
+    next multiple of :data:`PACK_ALIGN` bytes, so that its view keeps its
+    type. ``weight`` and ``weight_t``, when given, are the edge values in
+    place of the buffer's (:meth:`CSRGraph.with_weight`).
+    """
+    index: Tensor                 # uint8 [bytes]
+    weight: Optional[Tensor]
+    weight_t: Optional[Tensor]
+    layout: List[int]
+
+    def tensors(self) -> List[Tensor]:
+        return [t for t in self[:-1] if t is not None]
+
+
+#: The fields of :class:`GraphOperands`, in the order of the packed buffer.
+GRAPH_FIELDS = GraphOperands._fields
+_PACKED_DTYPES = (torch.int32, torch.int64, torch.uint8, torch.float32, torch.float64,
+                  torch.float16, torch.bfloat16)
+PACK_ALIGN = 16
+_WEIGHT_FIELDS = (GRAPH_FIELDS.index("weight"), GRAPH_FIELDS.index("weight_t"))
+#: The sizes in :attr:`PackedGraph.layout`, after its flags.
+LAYOUT_SIZES = ("num_dst", "num_edges", "num_items", "num_zeroed", "num_src")
+#: Each field's length: ``(position in LAYOUT_SIZES, plus)``.
+_FIELD_LENGTHS = (
+    (0, 1), (1, 0), (1, 0), (0, 0),  # rowptr, col, weight, row_scale
+    (2, 0), (2, 0), (2, 0), (2, 0),  # the schedule's item_row, start, end, split
+    (3, 0),                          # zeroed_rows
+    (4, 1), (1, 0), (1, 0),          # colptr, row_t, weight_t
+)
+_TYPE_BITS = 3
+_TYPE_MASK = (1 << _TYPE_BITS) - 1
+#: The first of the bits that mark a field as not to be read.
+_UNREAD_BITS = _TYPE_BITS * len(GRAPH_FIELDS)
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // PACK_ALIGN) * PACK_ALIGN
+
+
+def _field_type(flags: int, field: int) -> int:
+    """The type code of ``field`` in a layout's ``flags``: 1 + its index in
+    :data:`_PACKED_DTYPES`, 0 where the field is absent from the buffer."""
+    return (flags >> (_TYPE_BITS * field)) & _TYPE_MASK
+
+
+def _is_read(flags: int, field: int) -> bool:
+    """Whether ``field`` is in the buffer and to be read."""
+    return _field_type(flags, field) != 0 and not (flags >> (_UNREAD_BITS + field)) & 1
+
+
+def _field_length(layout: List[int], field: int) -> int:
+    size, plus = _FIELD_LENGTHS[field]
+    return layout[1 + size] + plus
+
+
+def _layout_sizes(g: GraphOperands) -> List[int]:
+    """:data:`LAYOUT_SIZES` of ``g`` (0 for the sizes of absent fields)."""
+    def length(t: Optional[Tensor], minus: int = 0) -> int:
+        return 0 if t is None else t.numel() - minus
+    return [g.rowptr.numel() - 1, g.col.numel(), length(g.item_row), length(g.zeroed_rows),
+            length(g.colptr, 1)]
+
+
+def pack(g: GraphOperands) -> Tuple[PackedGraph, GraphOperands]:
+    """``g`` copied into one buffer, and the views of it that :func:`unpack`
+    gives (equal to ``g``'s arrays). Edge values that need a gradient stay
+    apart (a copy would cut them off from it)."""
+    learnable = [t is not None and t.requires_grad for t in (g.weight, g.weight_t)]
+    arrays = [None if i in _WEIGHT_FIELDS and learnable[_WEIGHT_FIELDS.index(i)] else a
+              for i, a in enumerate(g)]
+    layout = [0, *_layout_sizes(g)]
+    pieces: List[Tensor] = []
+    # Bytes that pad each array to PACK_ALIGN; never read, so left unset.
+    padding = torch.empty(PACK_ALIGN, dtype=torch.uint8, device=g.col.device)
+    for i, a in enumerate(arrays):
+        if a is None:
+            continue
+        if a.numel() != _field_length(layout, i):
+            raise ValueError(f"{GRAPH_FIELDS[i]} has {a.numel()} entries, "
+                             f"not {_field_length(layout, i)}")
+        layout[0] |= (1 + _PACKED_DTYPES.index(a.dtype)) << (_TYPE_BITS * i)
+        nbytes = a.numel() * a.element_size()
+        if a.requires_grad:
+            a = a.detach()
+        pieces.append(a.contiguous().view(torch.uint8))  # every field is one-dimensional
+        if _padded(nbytes) > nbytes:
+            pieces.append(padding[:_padded(nbytes) - nbytes])
+    # One copy of every array (a new graph per batch is built on every step,
+    # and each launch there costs host time).
+    buffer = torch.cat(pieces) if pieces else padding[:0].clone()
+    packed = PackedGraph(buffer, g.weight if learnable[0] else None,
+                         g.weight_t if learnable[1] else None, layout)
+    return packed, _views_of(buffer, layout, packed.weight, packed.weight_t)
+
+
+def without_weights(layout: List[int]) -> List[int]:
+    """``layout`` with the edge values (``weight``, ``row_scale``, ``weight_t``)
+    marked as not to be read: for other edge values, passed apart."""
+    flags = layout[0]
+    for name in ("weight", "row_scale", "weight_t"):
+        flags |= 1 << (_UNREAD_BITS + GRAPH_FIELDS.index(name))
+    return [flags, *layout[1:]]
+
+
+def layout_dtype(layout: List[int], name: str) -> Optional[torch.dtype]:
+    """The type of field ``name`` in the buffer (None: absent)."""
+    i = GRAPH_FIELDS.index(name)
+    return _PACKED_DTYPES[_field_type(layout[0], i) - 1] if _is_read(layout[0], i) else None
+
+
+def layout_numel(layout: List[int], name: str) -> int:
+    """Entries of field ``name`` in the buffer (-1: absent)."""
+    i = GRAPH_FIELDS.index(name)
+    return _field_length(layout, i) if _is_read(layout[0], i) else -1
+
+
+def _views_of(index: Tensor, layout: List[int], weight: Optional[Tensor],
+              weight_t: Optional[Tensor]) -> GraphOperands:
+    # The layout's arithmetic written out (every new graph's pack comes here).
+    flags = layout[0]
+    views: List[Optional[Tensor]] = []
+    offset = 0
+    for i, (size, plus) in enumerate(_FIELD_LENGTHS):
+        code = (flags >> (_TYPE_BITS * i)) & _TYPE_MASK
+        if not code:
+            views.append(None)
+            continue
+        dtype = _PACKED_DTYPES[code - 1]
+        nbytes = (layout[1 + size] + plus) * dtype.itemsize
+        unread = (flags >> (_UNREAD_BITS + i)) & 1
+        views.append(None if unread else index[offset:offset + nbytes].view(dtype))
+        offset += _padded(nbytes)
+    return _with_weights(GraphOperands(*views), weight, weight_t)
+
+
+def _with_weights(g: GraphOperands, weight: Optional[Tensor],
+                  weight_t: Optional[Tensor]) -> GraphOperands:
+    if weight is not None:
+        g = g._replace(weight=weight)
+    if weight_t is not None:
+        g = g._replace(weight_t=weight_t)
+    return g
+
+
+def unpack(index: Tensor, weight: Optional[Tensor], weight_t: Optional[Tensor],
+           layout: List[int]) -> GraphOperands:
+    """The :class:`GraphOperands` of a :class:`PackedGraph`'s fields: views of
+    ``index`` (for the buffer of a live graph, the views made when it was
+    packed: a dictionary lookup instead of twelve slices in eager mode), with
+    ``weight`` and ``weight_t`` where given."""
+    entry = _known_views(index)
+    if entry is None:
+        return _views_of(index, layout, weight, weight_t)
+    views = entry.views
+    if layout[0] != entry.flags:  # fields not to be read (:func:`without_weights`)
+        views = entry.masked.get(layout[0])
+        if views is None:
+            views = entry.masked[layout[0]] = GraphOperands(
+                *[v if _is_read(layout[0], i) else None for i, v in enumerate(entry.views)])
+    return _with_weights(views, weight, weight_t)
+
+
+class _Views:
+    """The views of one packed buffer and its layout's flags, owned by its
+    graph (see :func:`_known_views`); ``masked``: the views that a layout
+    with other flags reads, by its flags."""
+    __slots__ = ("index", "views", "flags", "masked", "__weakref__")
+
+    def __init__(self, index: Tensor, views: GraphOperands, flags: int) -> None:
+        self.index, self.views, self.flags = index, views, flags
+        self.masked: Dict[int, GraphOperands] = {}
+
+
+#: ``id(buffer) -> weakref(_Views)``: an entry holds its buffer, so the
+#: registry holds it weakly and it dies with its graph.
+_VIEWS: Dict[int, "weakref.ref[_Views]"] = {}
+
+
+def register_views(packed: PackedGraph, views: GraphOperands) -> _Views:
+    entry = _Views(packed.index, views, packed.layout[0])
+    key = id(packed.index)
+
+    def forget(ref):
+        if _VIEWS.get(key) is ref:
+            del _VIEWS[key]
+
+    _VIEWS[key] = weakref.ref(entry, forget)
+    return entry
+
+
+def _known_views(index: Tensor) -> Optional[_Views]:
+    ref = _VIEWS.get(id(index))
+    entry = ref() if ref is not None else None
+    return entry if entry is not None and entry.index is index else None
+
+
