@@ -22,10 +22,8 @@ from .cache import _CACHE, fingerprint
 from .operands import (
     GraphOperands,
     PackedGraph,
-    _Views,
     layout_numel,
     pack,
-    register_views,
     without_weights,
 )
 from .schedule import WorkSchedule, max_edges_per_item, work_schedule
@@ -105,7 +103,6 @@ class CSRGraph:
         self._operands: Dict[int, PackedGraph] = {}
         self._bounded: set = set()  # keys of _operands built with a bounded schedule
         self._cache_hits = 0
-        self._views: Dict[int, _Views] = {}  # keeps unpack()'s shortcut alive
         self._static = False  # operands marked as static inputs (prepare)
         self._transpose_order: Optional[Tensor] = None
         #: For a graph built from an ``edge_index``: the position in that
@@ -224,7 +221,6 @@ class CSRGraph:
         graph = CSRGraph(self.rowptr, self.col, weight, self.size, normalization)
         graph.gcn_options = self.gcn_options
         graph._schedules = self._schedules
-        graph._views = self._views
         if self._transposed is not None:
             colptr, row_t, _ = self._transposed
             # Read by the CPU backward only, which takes no gradient through it.
@@ -311,7 +307,6 @@ class CSRGraph:
         operands = GraphOperands(self.rowptr, self.kernel_col(), self.weight, self.row_scale,
                                  *items, colptr, row_t, weight_t)
         packed, views = pack(operands)
-        self._views[max_edges] = register_views(packed, views)
         if set(self._operands) <= {max_edges}:
             self._hold_views(operands, views)
         self._operands[max_edges] = packed

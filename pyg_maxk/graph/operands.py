@@ -3,7 +3,6 @@ into one byte buffer as the custom ops take them (:class:`PackedGraph`),
 and the views that give them back (:func:`unpack`)."""
 from __future__ import annotations
 
-import weakref
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -137,7 +136,11 @@ def pack(g: GraphOperands) -> Tuple[PackedGraph, GraphOperands]:
     buffer = torch.cat(pieces) if pieces else padding[:0].clone()
     packed = PackedGraph(buffer, g.weight if learnable[0] else None,
                          g.weight_t if learnable[1] else None, layout)
-    return packed, _views_of(buffer, layout, packed.weight, packed.weight_t)
+    views = _views_of(buffer, layout, None, None)
+    # The views live on the buffer itself: unpack's eager shortcut, alive
+    # exactly as long as the buffer (they hold its storage, not the buffer).
+    setattr(buffer, _VIEWS_ATTR, _Views(views, layout[0]))
+    return packed, _with_weights(views, packed.weight, packed.weight_t)
 
 
 def without_weights(layout: List[int]) -> List[int]:
@@ -182,21 +185,21 @@ def _views_of(index: Tensor, layout: List[int], weight: Optional[Tensor],
 
 def _with_weights(g: GraphOperands, weight: Optional[Tensor],
                   weight_t: Optional[Tensor]) -> GraphOperands:
-    if weight is not None:
-        g = g._replace(weight=weight)
-    if weight_t is not None:
-        g = g._replace(weight_t=weight_t)
-    return g
+    if weight is None and weight_t is None:
+        return g
+    # One tuple built (``_replace`` builds one per field through keywords).
+    return GraphOperands(g[0], g[1], g[2] if weight is None else weight, *g[3:11],
+                         g[11] if weight_t is None else weight_t)
 
 
 def unpack(index: Tensor, weight: Optional[Tensor], weight_t: Optional[Tensor],
            layout: List[int]) -> GraphOperands:
     """The :class:`GraphOperands` of a :class:`PackedGraph`'s fields: views of
-    ``index`` (for the buffer of a live graph, the views made when it was
-    packed: a dictionary lookup instead of twelve slices in eager mode), with
+    ``index`` (for a buffer made by :func:`pack`, the views made there: an
+    attribute lookup instead of twelve slices in eager mode), with
     ``weight`` and ``weight_t`` where given."""
-    entry = _known_views(index)
-    if entry is None:
+    entry = getattr(index, _VIEWS_ATTR, None)
+    if entry is None:  # a copy, or a traced stand-in for the buffer
         return _views_of(index, layout, weight, weight_t)
     views = entry.views
     if layout[0] != entry.flags:  # fields not to be read (:func:`without_weights`)
@@ -207,37 +210,16 @@ def unpack(index: Tensor, weight: Optional[Tensor], weight_t: Optional[Tensor],
     return _with_weights(views, weight, weight_t)
 
 
+#: The attribute of a packed buffer that holds its views (:class:`_Views`).
+_VIEWS_ATTR = "_pyg_maxk_views"
+
+
 class _Views:
-    """The views of one packed buffer and its layout's flags, owned by its
-    graph (see :func:`_known_views`); ``masked``: the views that a layout
-    with other flags reads, by its flags."""
-    __slots__ = ("index", "views", "flags", "masked", "__weakref__")
+    """The views of one packed buffer (edge values that come apart left
+    out) and its layout's flags; ``masked``: the views that a layout with
+    other flags reads, by its flags."""
+    __slots__ = ("views", "flags", "masked")
 
-    def __init__(self, index: Tensor, views: GraphOperands, flags: int) -> None:
-        self.index, self.views, self.flags = index, views, flags
+    def __init__(self, views: GraphOperands, flags: int) -> None:
+        self.views, self.flags = views, flags
         self.masked: Dict[int, GraphOperands] = {}
-
-
-#: ``id(buffer) -> weakref(_Views)``: an entry holds its buffer, so the
-#: registry holds it weakly and it dies with its graph.
-_VIEWS: Dict[int, "weakref.ref[_Views]"] = {}
-
-
-def register_views(packed: PackedGraph, views: GraphOperands) -> _Views:
-    entry = _Views(packed.index, views, packed.layout[0])
-    key = id(packed.index)
-
-    def forget(ref):
-        if _VIEWS.get(key) is ref:
-            del _VIEWS[key]
-
-    _VIEWS[key] = weakref.ref(entry, forget)
-    return entry
-
-
-def _known_views(index: Tensor) -> Optional[_Views]:
-    ref = _VIEWS.get(id(index))
-    entry = ref() if ref is not None else None
-    return entry if entry is not None and entry.index is index else None
-
-
