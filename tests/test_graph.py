@@ -266,3 +266,25 @@ def test_packing_keeps_edge_values_that_need_a_gradient_apart():
     assert packed.weight is weight
     got = unpack(packed.index.clone(), packed.weight, None, packed.layout)
     assert got.weight is weight and torch.equal(got.col, g.col)
+
+
+@pytest.mark.parametrize("normalization", ["sum", "mean", "gcn"])
+def test_a_prepared_graph_survives_torch_save_and_deepcopy(normalization, tmp_path):
+    # Its arrays are views of one packed byte buffer, which torch.save
+    # cannot store beside them; a Data holding it (ToCSRGraph as a dataset's
+    # pre_transform, which PyG saves) must still save and load.
+    import copy
+
+    from torch_geometric.data import Data
+    ei = random_edge_index(40, 40, 200, seed=5)
+    data = pyg_maxk.ToCSRGraph(normalization, k=4)(Data(edge_index=ei, num_nodes=40))
+    graph = data.adj_t
+    x = torch.randn(40, 16)
+    h = pyg_maxk.maxk(x, 4)
+    expected = pyg_maxk.aggregate(graph, h)
+    torch.save(data, tmp_path / "data.pt")
+    loaded = torch.load(tmp_path / "data.pt", weights_only=False).adj_t
+    for other in (loaded, copy.deepcopy(graph)):
+        assert other is not graph and other.is_prepared(4)
+        assert other.size == graph.size and other.normalization == graph.normalization
+        assert torch.equal(pyg_maxk.aggregate(other, h), expected)

@@ -147,6 +147,29 @@ class CSRGraph:
     #: ``(improved, add_self_loops)`` of the ``gcn_norm`` a ``"gcn"`` graph holds.
     gcn_options: Optional[Tuple[bool, bool]] = None
 
+    def __getstate__(self) -> dict:
+        # The graph's own arrays are views of a packed byte buffer, which
+        # torch.save cannot store beside them (one storage viewed as several
+        # types): pickled (torch.save, deepcopy) as its arrays alone, and its
+        # operands built again on load for the same work-item sizes.
+        def own(t: Optional[Tensor]) -> Optional[Tensor]:
+            return None if t is None else t.clone()
+        return {"rowptr": own(self.rowptr), "col": own(self.col), "weight": own(self.weight),
+                "row_scale": own(self.row_scale), "size": self.size,
+                "normalization": self.normalization, "gcn_options": self.gcn_options,
+                "edge_order": own(self.edge_order),
+                "operands": sorted(self._operands), "bounded": sorted(self._bounded),
+                "static": self._static}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["rowptr"], state["col"], state["weight"], state["size"],
+                      state["normalization"], state["row_scale"])
+        self.gcn_options, self.edge_order = state["gcn_options"], state["edge_order"]
+        for max_edges in state["operands"]:
+            self._build_operands(max_edges, max_edges in state["bounded"])
+        if state["static"]:
+            self._mark_static()
+
     def __repr__(self) -> str:
         return (f"CSRGraph(num_src={self.num_src}, num_dst={self.num_dst}, "
                 f"num_edges={self.num_edges}, normalization="
