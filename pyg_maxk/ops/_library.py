@@ -14,6 +14,8 @@ In eager mode an op is called without the dispatcher (:class:`KernelOp`).
 """
 from __future__ import annotations
 
+import importlib
+from types import ModuleType
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -34,16 +36,18 @@ def _impls(op: str, requested: str, tensor: Tensor, **shape):
     return _module(choose(op, tensor, requested=requested, **shape))
 
 
-def _module(backend: str):
-    if backend == "numba":
-        from . import numba_ops
-        return numba_ops
-    if backend == "cpu":
-        from . import cpu_ops
-        return cpu_ops
-    if backend == "torch":
-        return torch_ops
-    raise ValueError(f"Unknown pyg_maxk backend {backend!r}")
+def _module(backend: str) -> ModuleType:
+    module = _MODULES.get(backend)
+    if module is None:
+        if backend not in ("numba", "cpu"):
+            raise ValueError(f"Unknown pyg_maxk backend {backend!r}")
+        # Imported on first use (they import Numba); then a dict lookup,
+        # where an import statement costs microseconds on every call.
+        module = _MODULES[backend] = importlib.import_module(f".{backend}_ops", __package__)
+    return module
+
+
+_MODULES = {"torch": torch_ops}
 
 
 class KernelOp:
@@ -142,8 +146,7 @@ def _gather_at(dense: Tensor, indices: Tensor, backend: str) -> Tensor:
     # time than a kernel launch.
     if choose("densify", dense, requested=backend, dim=dense.size(1),
               k=indices.size(1)) == "cpu":
-        from . import cpu_ops
-        return cpu_ops.gather_at(dense, indices)
+        return _module("cpu").gather_at(dense, indices)
     return torch_ops.gather_at(dense, indices)
 
 
@@ -358,9 +361,8 @@ def _maxk_input_grad(index: Tensor, weight: Optional[Tensor], weight_t: Optional
     if all(t.dtype == dtype for t in given) and \
             choose("aggregate", given[0], requested=backend, dim=dim, k=indices.size(1)) == \
             choose("densify", given[0], requested=backend, dim=dim, k=indices.size(1)) == "cpu":
-        from . import cpu_ops
-        return cpu_ops.maxk_input_grad(unpack(index, weight, weight_t, layout), indices,
-                                       grad_agg, grad_values, grad_dense, dim, dtype)
+        return _module("cpu").maxk_input_grad(unpack(index, weight, weight_t, layout), indices,
+                                              grad_agg, grad_values, grad_dense, dim, dtype)
     grad = None
     if grad_agg is not None:
         grad = as_dtype(_sspmm(index, weight, weight_t, layout, indices, grad_agg.contiguous(),
@@ -489,9 +491,8 @@ def _cbsr_linear_backward_impl(grad_out: Tensor, values: Tensor, indices: Tensor
     # kernels wherever they take the CBSR, else torch's.
     dense_ops = _impls("densify", backend, values, dim=dim, k=values.size(1))
     if linear_choice(backend, values, dim) == "cpu":
-        from . import cpu_ops
-        grads = cpu_ops.cbsr_linear_backward(grad_out, values, indices, weight, dim,
-                                             need_values, need_weight)
+        grads = _module("cpu").cbsr_linear_backward(grad_out, values, indices, weight, dim,
+                                                    need_values, need_weight)
     else:
         # The numba kernel's backward is the dense path's: cuBLAS GEMMs.
         grads = torch_ops.cbsr_linear_backward(grad_out, values, indices, weight, dim,
