@@ -153,7 +153,7 @@ class CSRGraph:
         # types): pickled (torch.save, deepcopy) as its arrays alone, and its
         # operands built again on load for the same work-item sizes.
         def own(t: Optional[Tensor]) -> Optional[Tensor]:
-            return None if t is None else t.clone()
+            return None if t is None else t.detach().clone()
         return {"rowptr": own(self.rowptr), "col": own(self.col), "weight": own(self.weight),
                 "row_scale": own(self.row_scale), "size": self.size,
                 "normalization": self.normalization, "gcn_options": self.gcn_options,
