@@ -19,14 +19,12 @@ def is_torch_sparse(adj: Any) -> bool:
         torch.sparse_coo, torch.sparse_csr, torch.sparse_csc)
 
 
-
 def is_edge_index_type(adj: Any) -> bool:
     try:
         from torch_geometric import EdgeIndex
     except ImportError:  # pragma: no cover - very old PyG
         return False
     return isinstance(adj, EdgeIndex)
-
 
 
 def as_sparse_csr(adj: Tensor) -> Tensor:
@@ -38,7 +36,6 @@ def as_sparse_csr(adj: Tensor) -> Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return adj.to_sparse_csr()
-
 
 
 def plain(t: Tensor) -> Tensor:
@@ -65,5 +62,3 @@ def check_edge_index(edge_index: Tensor) -> None:
 def sparse_size(adj: Any) -> Tuple[int, int]:
     """``(num_src, num_dst)`` of an ``adj_t``."""
     return int(adj.size(1)), int(adj.size(0))
-
-

@@ -100,8 +100,5 @@ def clear_graph_cache() -> None:
     _SPARSE_STRUCTURES.clear()
 
 
-
-
 _STRUCTURES = _GraphCache()
 _SPARSE_STRUCTURES: Dict[Hashable, CSRGraph] = {}
-

@@ -54,7 +54,6 @@ def _transpose_on_cpu(rowptr: Tensor, col: Tensor, num_src: int
     return colptr, row, order
 
 
-
 class CSRGraph:
     r"""A sparse adjacency in CSR form, row = target node.
 
@@ -517,7 +516,6 @@ def _assert_in_range(src: Tensor, rowptr: Tensor, num_src: int, num_edges: int) 
     torch._assert_async(ok, "edge_index holds a node index outside [0, num_nodes)")
 
 
-
 def _build(adj: Any, size, edge_weight, normalization, use_sparse_tensor_values,
            gcn_improved, gcn_add_self_loops, dtype) -> CSRGraph:
     if is_sparse_tensor(adj):
@@ -556,4 +554,3 @@ def _build(adj: Any, size, edge_weight, normalization, use_sparse_tensor_values,
                                            "source_to_target", dtype)
         return CSRGraph.from_edge_index(edge_index, edge_weight, sizes, "gcn", dtype)
     return CSRGraph.from_edge_index(adj, edge_weight, sizes, normalization, dtype)
-

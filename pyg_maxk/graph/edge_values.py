@@ -44,7 +44,6 @@ def edge_structure(edge_index: Tensor, size: Tuple[int, int], gcn_self_loops: bo
     return graph
 
 
-
 def graph_with_edge_values(adj: Any, size: Optional[Tuple[Optional[int], Optional[int]]],
                            edge_weight: Optional[Tensor], edge_mask: Optional[Tensor],
                            normalization: str, gcn_improved: bool = False,

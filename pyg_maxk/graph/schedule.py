@@ -17,7 +17,6 @@ def max_edges_per_item(k: int) -> int:
     return max(1, PAIRS_PER_ITEM // int(k))
 
 
-
 @dataclass(frozen=True)
 class WorkSchedule:
     """How the kernels cut the CSR rows into balanced work items.
@@ -52,7 +51,6 @@ class WorkSchedule:
         return self.row.numel()
 
 
-
 def _nonzero(mask: Tensor, count: int, fill_value: int = -1) -> Tensor:
     """The first ``count`` positions where ``mask`` holds, padded with
     ``fill_value`` to ``count`` entries: no host sync where torch has
@@ -62,7 +60,6 @@ def _nonzero(mask: Tensor, count: int, fill_value: int = -1) -> Tensor:
     except (AttributeError, NotImplementedError, RuntimeError):
         found = torch.nonzero(mask).view(-1)[:count]
         return torch.cat([found, found.new_full((count - found.numel(),), fill_value)])
-
 
 
 def work_schedule(rowptr: Tensor, num_edges: int, max_edges: int,
@@ -97,4 +94,3 @@ def work_schedule(rowptr: Tensor, num_edges: int, max_edges: int,
     row, start, end, split = torch.stack([row, start, end, split]).to(torch.int32)
     return WorkSchedule(max_edges=max_edges, row=row, start=start, end=end, split=split,
                         zeroed_rows=zeroed_rows, bounded=bounded)
-
