@@ -15,11 +15,13 @@ def is_sparse_tensor(adj: Any) -> bool:
 
 
 def is_torch_sparse(adj: Any) -> bool:
+    """True for a ``torch.sparse`` COO, CSR or CSC tensor."""
     return isinstance(adj, Tensor) and adj.layout in (
         torch.sparse_coo, torch.sparse_csr, torch.sparse_csc)
 
 
 def is_edge_index_type(adj: Any) -> bool:
+    """True for a :class:`torch_geometric.EdgeIndex`."""
     try:
         from torch_geometric import EdgeIndex
     except ImportError:  # pragma: no cover - very old PyG
@@ -43,7 +45,8 @@ def plain(t: Tensor) -> Tensor:
     return t.as_tensor() if is_edge_index_type(t) else t
 
 
-def check_same_device(adj, edge_weight: Tensor) -> None:
+def check_same_device(adj: Any, edge_weight: Tensor) -> None:
+    """A clear error where ``edge_weight`` is not on the adjacency's device."""
     device = adj.device() if callable(getattr(adj, "device", None)) else adj.device
     if edge_weight.device != device:
         raise ValueError(f"edge_weight is on {edge_weight.device} but the adjacency on "
@@ -51,6 +54,8 @@ def check_same_device(adj, edge_weight: Tensor) -> None:
 
 
 def check_edge_index(edge_index: Tensor) -> None:
+    """PyG's errors for an ``edge_index`` of another type or shape than
+    integer ``[2, E]``."""
     if edge_index.dtype.is_floating_point or edge_index.dtype in (torch.bool, torch.complex64):
         raise ValueError(f"Expected 'edge_index' to be of integer type "
                          f"(got '{edge_index.dtype}')")
