@@ -185,11 +185,11 @@ def _views_of(index: Tensor, layout: List[int], weight: Optional[Tensor],
 
 def _with_weights(g: GraphOperands, weight: Optional[Tensor],
                   weight_t: Optional[Tensor]) -> GraphOperands:
-    if weight is None and weight_t is None:
-        return g
-    # One tuple built (``_replace`` builds one per field through keywords).
-    return GraphOperands(g[0], g[1], g[2] if weight is None else weight, *g[3:11],
-                         g[11] if weight_t is None else weight_t)
+    if weight is not None:
+        g = g._replace(weight=weight)
+    if weight_t is not None:
+        g = g._replace(weight_t=weight_t)
+    return g
 
 
 def unpack(index: Tensor, weight: Optional[Tensor], weight_t: Optional[Tensor],
