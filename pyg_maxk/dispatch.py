@@ -207,6 +207,18 @@ def resolve_backend(tensor: torch.Tensor) -> str:
     return choose("aggregate", tensor, dim=32, k=8)
 
 
+def cbsr_linear_pays(tensor: torch.Tensor, dim: int, k: int) -> bool:
+    """Whether a linear map of MaxK's output (``k`` of ``dim`` entries kept
+    per row of ``tensor``) runs better as a CBSR linear op than as stock's
+    dense linear map of the dense form: where the CPU linear kernels run it
+    (``k * out`` multiply-adds per row against a GEMM's ``dim * out``, at
+    any size), else from :data:`LINEAR_MIN_ROWS` rows (below, a step is
+    bound by host time, of which torch's own autograd nodes spend less)."""
+    if tensor.size(0) >= LINEAR_MIN_ROWS:
+        return True
+    return choose("linear", tensor, dim=dim, k=k, large=False) == "cpu"
+
+
 _DECISIONS: Dict[Tuple, str] = {}
 
 

@@ -128,11 +128,12 @@ def test_features_gradient_kernel_against_float64(dtype, normalization, given):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("rows,dim,k,out_features,bias", [
     (40, 24, 5, 7, True), (13, 300, 9, 16, False), (0, 40, 3, 5, True), (6, 64, 10, 0, True),
-    (1, 8, 1, 3, False)])
+    (1, 8, 1, 3, False), (20, 50, 16, 33, True)])
 def test_cbsr_linear_kernels_against_float64(dtype, rows, dim, k, out_features, bias,
                                              monkeypatch):
     # The root-term linear on CBSR rows (SAGE's lin_r), forward and backward,
-    # without a dense [N, dim] input anywhere (uint8 and int16 indices).
+    # without a dense [N, dim] input anywhere (uint8 and int16 indices; k
+    # below, at and between multiples of the kernels' groups of entries).
     h = random_cbsr(rows, dim, k, dtype, seed=rows)
     g = torch.Generator().manual_seed(1)
     weight = torch.randn(out_features, dim, generator=g, dtype=dtype, requires_grad=True)

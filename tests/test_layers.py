@@ -308,36 +308,56 @@ def _autograd_node_names(out):
 @pytest.mark.parametrize("kind", ["sage", "gcn", "gin"])
 def test_one_autograd_node_selects_and_aggregates(kind):
     # Small graphs are bound by host time per autograd node: MaxK and the
-    # aggregation (and SAGE's dense root term) are one node.
+    # aggregation (and SAGE's dense root term) are one node; SAGE's CBSR root
+    # term, where it pays (the CPU kernels), is one more.
     ours, _ = make_pair(kind)
     x = random_features().requires_grad_()
     names = _autograd_node_names(ours(x, random_edge_index(N, N, 50, seed=3)))
     ours_nodes = [name for name in names if name.endswith("_functionBackward")]
-    assert ours_nodes == ["maxk_aggregate_functionBackward"], names
+    expected = ["maxk_aggregate_functionBackward"]
+    if kind == "sage" and ours.cbsr_root_pays(x):
+        expected.append("cbsr_linear_functionBackward")
+    assert sorted(ours_nodes) == sorted(expected), names
 
 
 @pytest.mark.parametrize("cbsr_root", [False, True])
 @pytest.mark.parametrize("form", ["edge_index", "csr"])
 def test_contract_sage_root_term_dense_and_cbsr(form, cbsr_root, monkeypatch):
-    # Below LINEAR_MIN_ROWS rows SAGE's root term is a dense linear map; from
-    # there a CBSR linear op (forced here by a threshold of 0).
+    # SAGE's root term is a CBSR linear op where that pays, else stock's
+    # dense linear map (each forced here).
     from pyg_maxk.nn import sage_conv
     calls = []
     original = sage_conv.cbsr_linear
     monkeypatch.setattr(sage_conv, "cbsr_linear", lambda *a, **kw: calls.append(1) or
                         original(*a, **kw))
-    if cbsr_root:
-        monkeypatch.setattr(sage_conv, "LINEAR_MIN_ROWS", 0)
+    monkeypatch.setattr(sage_conv, "cbsr_linear_pays", lambda *args: cbsr_root)
     ei = random_edge_index(N, N, 50, seed=3)
     ours, stock = make_pair("sage")
     assert_same_as_stock(ours, stock, random_features(), (adjacency(form, ei, (N, N)),), K)
     assert bool(calls) == cbsr_root
 
 
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_sage_root_term_is_cbsr_where_the_cpu_kernels_run_it(backend, monkeypatch):
+    # The CPU linear kernels do k/dim of a GEMM's multiply-adds at any size;
+    # the torch backend's CBSR linear map is a GEMM of the dense form anyway.
+    from pyg_maxk.nn import sage_conv
+    calls = []
+    original = sage_conv.cbsr_linear
+    monkeypatch.setattr(sage_conv, "cbsr_linear", lambda *a, **kw: calls.append(1) or
+                        original(*a, **kw))
+    ei = random_edge_index(N, N, 50, seed=4)
+    ours, stock = make_pair("sage")
+    assert_same_as_stock(ours, stock, random_features(), (ei,), K, backend=backend)
+    assert bool(calls) == (backend == "cpu")
+
+
 @pytest.mark.parametrize("hooked", [False, True])
 def test_sage_dense_root_accumulates_in_place_unless_hooked(hooked, monkeypatch):
     # The dense root term's product is added in place into lin_l's output;
     # a hook on either linear module gets the modules' own calls instead.
+    from pyg_maxk.nn import sage_conv
+    monkeypatch.setattr(sage_conv, "cbsr_linear_pays", lambda *args: False)
     ei = random_edge_index(N, N, 50, seed=4)
     ours, stock = make_pair("sage")
     seen, in_place = [], []

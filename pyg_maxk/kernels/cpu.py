@@ -40,6 +40,11 @@ SELECT_BLOCK_ROWS = 16
 SELECT_MIN_GROUPS = 8
 #: Most counting passes of :func:`select_rows`'s search before its quickselect.
 SELECT_STEPS = 24
+#: CBSR entries per pass of the linear kernels (:func:`linear_rows`): the
+#: kernels unroll it by hand.
+LINEAR_GROUP = 8
+#: Rows of the output per thread task of the transposing kernels.
+TRANSPOSE_BLOCK = 16
 #: Reassociation (so that dot products vectorise) and fused multiply-adds,
 #: but IEEE NaN/infinity semantics.
 _LINEAR_FASTMATH = {"reassoc", "contract"}
@@ -404,13 +409,27 @@ def linear_rows(values, indices, weight_t, bias, has_bias, out):
     indices)`` and ``weight_t = W^T`` (``[dim, out]``, C-contiguous): per row,
     ``k`` scaled rows of ``weight_t`` added up (``bias`` is read only when
     ``has_bias``): ``N * k * out`` multiply-adds instead of a dense GEMM's
-    ``N * dim * out``."""
+    ``N * dim * out``. Eight rows of ``weight_t`` per pass over the output
+    row: a pass per row would load and store the output row for every
+    two operations of its multiply-adds."""
     m = out.shape[1]
+    k = values.shape[1]
     for i in prange(values.shape[0]):
         row = out[i]
         for o in range(m):
             row[o] = bias[o] if has_bias else 0
-        for s in range(values.shape[1]):
+        grouped = k - k % LINEAR_GROUP
+        for s in range(0, grouped, LINEAR_GROUP):
+            v0, v1, v2, v3 = values[i, s], values[i, s + 1], values[i, s + 2], values[i, s + 3]
+            v4, v5, v6, v7 = values[i, s + 4], values[i, s + 5], values[i, s + 6], values[i, s + 7]
+            w0, w1 = weight_t[indices[i, s]], weight_t[indices[i, s + 1]]
+            w2, w3 = weight_t[indices[i, s + 2]], weight_t[indices[i, s + 3]]
+            w4, w5 = weight_t[indices[i, s + 4]], weight_t[indices[i, s + 5]]
+            w6, w7 = weight_t[indices[i, s + 6]], weight_t[indices[i, s + 7]]
+            for o in range(m):
+                row[o] += ((v0 * w0[o] + v1 * w1[o]) + (v2 * w2[o] + v3 * w3[o])) + \
+                    ((v4 * w4[o] + v5 * w5[o]) + (v6 * w6[o] + v7 * w7[o]))
+        for s in range(grouped, k):
             v = values[i, s]
             w = weight_t[indices[i, s]]
             for o in range(m):
@@ -422,11 +441,35 @@ def linear_rows(values, indices, weight_t, bias, has_bias, out):
 def linear_input_grad_rows(grad_out, indices, weight_t, grad_values):
     """``grad_values[i, s] = grad_out[i] . weight_t[indices[i, s]]``: the
     gradient of :func:`linear_rows` w.r.t. the CBSR values, ``(grad_out @ W)``
-    sampled at the CBSR pattern without computing the rest."""
+    sampled at the CBSR pattern without computing the rest. Eight dot
+    products per pass over ``grad_out[i]``, which they share."""
     m = grad_out.shape[1]
+    k = indices.shape[1]
     for i in prange(indices.shape[0]):
         g = grad_out[i]
-        for s in range(indices.shape[1]):
+        grouped = k - k % LINEAR_GROUP
+        for s in range(0, grouped, LINEAR_GROUP):
+            w0, w1 = weight_t[indices[i, s]], weight_t[indices[i, s + 1]]
+            w2, w3 = weight_t[indices[i, s + 2]], weight_t[indices[i, s + 3]]
+            w4, w5 = weight_t[indices[i, s + 4]], weight_t[indices[i, s + 5]]
+            w6, w7 = weight_t[indices[i, s + 6]], weight_t[indices[i, s + 7]]
+            a0, a1, a2, a3 = g[0] * w0[0], g[0] * w1[0], g[0] * w2[0], g[0] * w3[0]
+            a4, a5, a6, a7 = g[0] * w4[0], g[0] * w5[0], g[0] * w6[0], g[0] * w7[0]
+            for o in range(1, m):
+                go = g[o]
+                a0 += go * w0[o]
+                a1 += go * w1[o]
+                a2 += go * w2[o]
+                a3 += go * w3[o]
+                a4 += go * w4[o]
+                a5 += go * w5[o]
+                a6 += go * w6[o]
+                a7 += go * w7[o]
+            grad_values[i, s], grad_values[i, s + 1] = a0, a1
+            grad_values[i, s + 2], grad_values[i, s + 3] = a2, a3
+            grad_values[i, s + 4], grad_values[i, s + 5] = a4, a5
+            grad_values[i, s + 6], grad_values[i, s + 7] = a6, a7
+        for s in range(grouped, k):
             w = weight_t[indices[i, s]]
             acc = g[0] * w[0]
             for o in range(1, m):
@@ -454,3 +497,39 @@ def linear_weight_grad_parts(grad_out, values, indices, parts):
                 acc = part[indices[i, s]]
                 for o in range(m):
                     acc[o] += v * g[o]
+
+
+@keyed_files
+@njit(parallel=True, cache=True)
+def transpose_into(src, dst):
+    """``dst[c, o] = src[o, c]`` (``dst`` C-contiguous): one thread per block
+    of :data:`TRANSPOSE_BLOCK` rows of ``dst``, whose stores stay in a few
+    cache lines while ``src`` is read row by row."""
+    rows, cols = src.shape
+    for block in prange((cols + TRANSPOSE_BLOCK - 1) // TRANSPOSE_BLOCK):
+        c0 = block * TRANSPOSE_BLOCK
+        c1 = min(cols, c0 + TRANSPOSE_BLOCK)
+        for o in range(rows):
+            line = src[o]
+            for c in range(c0, c1):
+                dst[c, o] = line[c]
+
+
+@keyed_files
+@njit(parallel=True, cache=True)
+def sum_parts_transposed(parts, dst):
+    """``dst[o, c] = sum_p parts[p, c, o]``: :func:`linear_weight_grad_parts`'
+    partial sums added up into the weight's ``[out, dim]`` layout in one
+    pass, one thread per block of :data:`TRANSPOSE_BLOCK` rows of ``dst``."""
+    num_parts, dim, m = parts.shape
+    for block in prange((m + TRANSPOSE_BLOCK - 1) // TRANSPOSE_BLOCK):
+        o0 = block * TRANSPOSE_BLOCK
+        o1 = min(m, o0 + TRANSPOSE_BLOCK)
+        for c in range(dim):
+            first = parts[0, c]
+            for o in range(o0, o1):
+                dst[o, c] = first[o]
+            for p in range(1, num_parts):
+                line = parts[p, c]
+                for o in range(o0, o1):
+                    dst[o, c] += line[o]

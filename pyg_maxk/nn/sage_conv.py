@@ -9,9 +9,9 @@ from torch_geometric.nn.dense.linear import Linear, is_uninitialized_parameter
 from torch_geometric.typing import Adj, Size
 
 from ..cbsr import CBSR
-from ..dispatch import LINEAR_MIN_ROWS
+from ..dispatch import cbsr_linear_pays
 from ..ops import cbsr_linear, to_dense
-from .conv_base import Features, MaxKConv, PairFeatures, _rows
+from .conv_base import Features, MaxKConv, PairFeatures
 
 
 class MaxKSAGEConv(MaxKConv):
@@ -89,10 +89,10 @@ class MaxKSAGEConv(MaxKConv):
         x_src, x_dst = self.split_features(x)
         graph = self.graph_for(edge_index, x_src, x_dst, size)
         root = self.root_weight and x_dst is not None
-        # Below LINEAR_MIN_ROWS rows the root term is stock's dense linear map:
+        # On a small graph on a GPU the root term is stock's dense linear map:
         # its [N, F_in] input is small, and a step there is bound by host time,
         # which torch's own autograd nodes spend less of than a CBSR linear op.
-        dense_root = root and x_dst is x_src and _rows(x_src) < LINEAR_MIN_ROWS
+        dense_root = root and x_dst is x_src and not self.cbsr_root_pays(x_src)
         agg, h_src, dense = self.sparsify_and_aggregate(graph, x_src, with_dense=dense_root)
 
         if dense_root:
@@ -106,6 +106,13 @@ class MaxKSAGEConv(MaxKConv):
         if self.normalize:
             out = F.normalize(out, p=2., dim=-1)
         return out
+
+    def cbsr_root_pays(self, x: Features) -> bool:
+        """Whether the root term of ``x`` (``x_src`` as ``x_dst``) runs as a
+        CBSR linear op (:func:`pyg_maxk.dispatch.cbsr_linear_pays`)."""
+        if isinstance(x, CBSR):
+            return cbsr_linear_pays(x.values, x.dim, x.k)
+        return cbsr_linear_pays(x, x.size(1), min(self.k, x.size(1)))
 
     def dense_sum_of_linears(self, agg: Tensor, dense: Tensor) -> Tensor:
         """``lin_l(agg) + lin_r(dense)``, shape ``[N, F_out]``: ``lin_r``'s

@@ -125,7 +125,7 @@ def cbsr_linear(values: Tensor, indices: Tensor, dim: int, weight: Tensor,
     n = values.size(0)
     out = values.new_empty(n, weight.size(0))                      # [N, out]
     if n > 0:
-        weight_t = weight.detach().t().contiguous()                # [dim, out]
+        weight_t = _transposed(weight)                             # [dim, out]
         kernels.linear_rows(values.detach().contiguous().numpy(), indices.contiguous().numpy(),
                             weight_t.numpy(),
                             (bias if bias is not None else weight_t[0]).detach().numpy(),
@@ -146,7 +146,7 @@ def cbsr_linear_backward(grad_out: Tensor, values: Tensor, indices: Tensor, weig
     if need_values:
         grad_values = values.new_zeros(values.shape)               # [N, k]
         if n > 0 and weight.size(0) > 0:
-            weight_t = weight.detach().t().contiguous()            # [dim, out]
+            weight_t = _transposed(weight)                         # [dim, out]
             kernels.linear_input_grad_rows(grad_out.numpy(), index_array, weight_t.numpy(),
                                            grad_values.numpy())
     if need_weight:
@@ -154,5 +154,17 @@ def cbsr_linear_backward(grad_out: Tensor, values: Tensor, indices: Tensor, weig
         parts = values.new_empty(num_parts, dim, weight.size(0))   # [parts, dim, out]
         kernels.linear_weight_grad_parts(grad_out.numpy(), values.detach().contiguous().numpy(),
                                          index_array, parts.numpy())
-        grad_weight = parts.sum(0).t().contiguous()                # [out, dim]
+        grad_weight = values.new_empty(weight.shape)               # [out, dim]
+        kernels.sum_parts_transposed(parts.numpy(), grad_weight.numpy())
     return grad_values, grad_weight
+
+
+def _transposed(weight: Tensor) -> Tensor:
+    """``weight.T`` as a C-contiguous ``[dim, out]`` tensor (the layout the
+    linear kernels read rows of); a blocked parallel copy, where torch's
+    transposing copy is single-threaded."""
+    weight = weight.detach().contiguous()
+    out = weight.new_empty(weight.size(1), weight.size(0))
+    if out.numel() > 0:
+        kernels.transpose_into(weight.numpy(), out.numpy())
+    return out
