@@ -653,3 +653,46 @@ def test_column_sums_against_float64(dtype, num_rows, columns):
     if dtype != torch.float32:
         bound += HALF_UNIT[dtype] * exact.abs()
     assert bool(((out.double() - exact).abs() <= bound + 1e-30).all())
+
+
+@pytest.mark.parametrize("given", [
+    pytest.param("agg", marks=smoke), "agg,values,dense", "values", "dense", "agg,dense"])
+@pytest.mark.parametrize("size,dim,k", [((14, 11), 40, 5), ((9, 9), 64, 40)])
+def test_features_gradient_fused_densify_against_float64(given, size, dim, k):
+    # MaxK + aggregation's gradient w.r.t. the features: the SSpMM, then one
+    # launch adding the kept values' gradients and the dense one sampled at
+    # the pattern and writing whole rows (k below and beyond a warp's 32
+    # slots); every entry of a poisoned output written, the first and the
+    # prepared second launch alike, and the torch backend's steps matched.
+    from pyg_maxk.graph import unpack
+    from pyg_maxk.ops import _library as lib
+    ei = random_edge_index(*size, 50, seed=2)
+    graph = CSRGraph.from_adj(ei.to(DEVICE), size, edge_weight=torch.rand(50, device=DEVICE) + 0.1,
+                              normalization="sum")
+    h = random_cbsr(size[0], dim, k, seed=k)
+    g = torch.Generator().manual_seed(3)
+    grads = {"agg": torch.randn(size[1], dim, generator=g),
+             "values": torch.randn(size[0], k, generator=g),
+             "dense": torch.randn(size[0], dim, generator=g)}
+    present = {name: grads[name].to(DEVICE) if name in given.split(",") else None
+               for name in grads}
+    a = graph.torch_csr(torch.float64).cpu()
+    index = h.long_indices().cpu()
+    kept = torch.zeros(size[0], k, dtype=torch.float64)
+    if present["agg"] is not None:
+        kept += torch.sparse.mm(a.t().to_sparse_csr(), grads["agg"].double()).gather(1, index)
+    if present["values"] is not None:
+        kept += grads["values"].double()
+    if present["dense"] is not None:
+        kept += grads["dense"].double().gather(1, index)
+    ref = torch.zeros(size[0], dim, dtype=torch.float64).scatter_(1, index, kept)
+    ops = unpack(*graph.operands(k))
+    for _ in range(3):  # the third call takes the prepared launch
+        poison_allocator()
+        out = numba_ops.maxk_input_grad(ops, h.indices, *present.values(), dim)
+        assert out.dtype == torch.float32 and out.shape == (size[0], dim)
+        torch.testing.assert_close(out.double().cpu(), ref, rtol=1e-5, atol=1e-5)
+    packed = graph.operands(k)
+    results = [lib.maxk_input_grad(*packed, h.indices, *present.values(), dim, torch.float32,
+                                   backend) for backend in ("numba", "torch")]
+    torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-5)

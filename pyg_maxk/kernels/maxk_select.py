@@ -268,6 +268,62 @@ def densify_kernel(dim: int, k: int, rows_per_block: int, bits16: bool = False):
 
 
 @functools.lru_cache(maxsize=None)
+def densify_sum_kernel(dim: int, k: int, rows_per_block: int, has_kept: bool,
+                       has_values: bool, has_dense: bool):
+    """``dense[r, c] = kept[r, j] + values[r, j] + source[r, c]`` for ``c =
+    indices[r, j]``, each term where its flag is set (added in that order),
+    every other entry 0, all float32: the features' gradient of MaxK and
+    the aggregation of its CBSR from the gradients of the kept values (the
+    SSpMM's ``kept``, the CBSR's own ``values``) and of the dense form
+    (``source``, sampled at the pattern). :func:`gather_kernel`, the sums
+    and :func:`densify_kernel` in one launch. An absent term's argument is
+    never read (any float32 ``[N, *]`` array stands in for it).
+
+    One warp per row builds the row in shared memory and writes all of it
+    with coalesced stores, as :func:`densify_kernel` does; a row's indices
+    are distinct, so its lanes' shared-memory stores never collide.
+    """
+    if not densify_fits(dim, rows_per_block):
+        raise ValueError(f"dim={dim} is too wide for the densify kernel's shared memory")
+    if not (has_kept or has_values or has_dense):
+        raise ValueError("densify_sum_kernel needs at least one term")
+    sync = warp_sync()
+    kk, w32, w_dim = uint32(k), uint32(WARP), uint32(dim)
+    rpb = uint32(rows_per_block)
+    zero = float32(0)
+
+    @kernel_jit()
+    def densify_sum(kept, values, source, indices, dense, num_rows):
+        row_buf = cuda.shared.array((rows_per_block, dim), float32)
+        lane = uint32(cuda.threadIdx.x) % w32
+        warp = uint32(cuda.threadIdx.x) // w32
+        n = uint32(num_rows)
+        stride = uint32(cuda.gridDim.x) * rpb
+        row = uint32(cuda.blockIdx.x) * rpb + warp
+        while row < n:  # warp-uniform
+            for d in range(lane, w_dim, w32):
+                row_buf[warp, d] = zero
+            sync()
+            for j in range(lane, kk, w32):
+                column = uint32(indices[row, j])
+                total = zero  # as the SSpMM's sums start
+                if has_kept:
+                    total += kept[row, j]
+                if has_values:
+                    total += values[row, j]
+                if has_dense:
+                    total += source[row, column]
+                row_buf[warp, column] = total
+            sync()
+            for d in range(lane, w_dim, w32):
+                dense[row, d] = row_buf[warp, d]
+            sync()  # the next row's zeros wait for these reads
+            row += stride
+
+    return densify_sum
+
+
+@functools.lru_cache(maxsize=None)
 def gather_kernel(k: int, bits16: bool = False):
     """``values[r, j] = dense[r, indices[r, j]]``: a dense matrix sampled at a
     CBSR pattern (the backward of :func:`densify_kernel`, and of the CBSR

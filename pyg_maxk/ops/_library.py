@@ -356,13 +356,20 @@ def _maxk_input_grad(index: Tensor, weight: Optional[Tensor], weight_t: Optional
                      dtype: torch.dtype, backend: str) -> Tensor:
     # The gradient of the kept values (the SSpMM of the aggregation's, plus
     # the CBSR's and the dense form's own), densified into x's shape: one
-    # CPU kernel where the CPU backend runs both steps on one dtype.
+    # CPU kernel where the CPU backend runs both steps on one dtype; the
+    # SSpMM and one fused densify where the Numba kernels run both in float32.
     given = [t for t in (grad_agg, grad_values, grad_dense) if t is not None]
-    if all(t.dtype == dtype for t in given) and \
-            choose("aggregate", given[0], requested=backend, dim=dim, k=indices.size(1)) == \
-            choose("densify", given[0], requested=backend, dim=dim, k=indices.size(1)) == "cpu":
-        return _module("cpu").maxk_input_grad(unpack(index, weight, weight_t, layout), indices,
-                                              grad_agg, grad_values, grad_dense, dim, dtype)
+    if all(t.dtype == dtype for t in given):
+        k = indices.size(1)
+        chosen = choose("aggregate", given[0], requested=backend, dim=dim, k=k)
+        if chosen == choose("densify", given[0], requested=backend, dim=dim, k=k):
+            g = unpack(index, weight, weight_t, layout)
+            if chosen == "cpu":
+                return _module("cpu").maxk_input_grad(g, indices, grad_agg, grad_values,
+                                                      grad_dense, dim, dtype)
+            if chosen == "numba" and dtype == torch.float32:
+                return _module("numba").maxk_input_grad(g, indices, grad_agg, grad_values,
+                                                        grad_dense, dim)
     grad = None
     if grad_agg is not None:
         grad = as_dtype(_sspmm(index, weight, weight_t, layout, indices, grad_agg.contiguous(),

@@ -40,7 +40,12 @@ from ..kernels.linear import (
     linear_kernel,
     linear_shared_bytes,
 )
-from ..kernels.maxk_select import densify_kernel, gather_kernel, select_kernel
+from ..kernels.maxk_select import (
+    densify_kernel,
+    densify_sum_kernel,
+    gather_kernel,
+    select_kernel,
+)
 from ..kernels.spgemm import (
     pair_width_fits,
     pairs_kernel,
@@ -205,6 +210,39 @@ def cbsr_to_dense(values: Tensor, indices: Tensor, dim: int) -> Tensor:
             _remember(_PLANS, key, lambda: run.prepare(kernel, blocks, threads, values.device,
                                                        args, (0, 1, 2)))
     return as_dtype(dense, values.dtype)
+
+
+def maxk_input_grad(g: GraphOperands, indices: Tensor, grad_agg: Optional[Tensor],
+                    grad_values: Optional[Tensor], grad_dense: Optional[Tensor],
+                    dim: int) -> Tensor:
+    """The float32 gradient ``[num_src, dim]`` of MaxK and the aggregation
+    of its CBSR w.r.t. the features, from the float32 gradients of the
+    aggregation (``[num_dst, dim]``), of the CBSR values (``[num_src, k]``)
+    and of the dense form (``[num_src, dim]``), each None when absent:
+    :func:`sspmm` of the first, then one launch
+    (:func:`~pyg_maxk.kernels.maxk_select.densify_sum_kernel`) that adds the
+    kept values' gradients and the dense one sampled at the pattern and
+    writes the dense rows."""
+    n, k = indices.shape
+    kept = sspmm(g, indices, grad_agg, n) if grad_agg is not None else None
+    dense = torch.empty(n, dim, dtype=KERNEL_DTYPE, device=indices.device)  # rows written whole
+    if n > 0:
+        indices = indices.contiguous()
+        terms = [None if t is None else t.contiguous() for t in (kept, grad_values, grad_dense)]
+        present = tuple(t is not None for t in terms)
+        # An absent term is never read; the output stands in for it.
+        args = (*[dense if t is None else t for t in terms], indices, dense)
+        key = ("densify_sum", n, dim, k, indices.dtype, present, indices.device)
+        launch = _prepared(_PLANS, key)
+        if launch is not None:
+            launch(*args)
+        else:
+            run, rows_per_block, threads, blocks = _row_launch(n, indices.device)
+            kernel = densify_sum_kernel(dim, k, rows_per_block, *present)
+            run(kernel, blocks, threads, indices.device, *args, n)
+            _remember(_PLANS, key, lambda: run.prepare(kernel, blocks, threads, indices.device,
+                                                       (*args, n), (0, 1, 2, 3, 4)))
+    return dense
 
 
 def gather_at(dense: Tensor, indices: Tensor) -> Tensor:
