@@ -69,6 +69,9 @@ MAX_CPU_SELECT_DIM = (1 << 24) - 1
 #: Rows from which ``"auto"`` runs the Numba CBSR linear kernel; below, the
 #: host-bound dense path is as fast (small graphs are bound by host time).
 LINEAR_MIN_ROWS = 1 << 15
+#: Rows below which the CPU adds a root term on the dense form (see
+#: :func:`dense_root_pays`).
+DENSE_ROOT_MAX_CPU_ROWS = 2048
 
 _requested: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar(
     "pyg_maxk_backend", default=None)
@@ -205,6 +208,17 @@ def resolve_backend(tensor: torch.Tensor) -> str:
     """The backend the aggregation would take for data like ``tensor`` at
     any shape the kernels take (used to label runs)."""
     return choose("aggregate", tensor, dim=32, k=8)
+
+
+def dense_root_pays(tensor: torch.Tensor) -> bool:
+    """Whether a conv adds its root term (a multiple of MaxK of ``tensor``)
+    on the dense form, densified with the aggregation (fewer launches and
+    autograd nodes: a small graph's step is bound by them), rather than
+    scattered from the CBSR (fewer bytes): on a GPU below
+    :data:`LINEAR_MIN_ROWS` rows, on the CPU below
+    :data:`DENSE_ROOT_MAX_CPU_ROWS`."""
+    limit = DENSE_ROOT_MAX_CPU_ROWS if tensor.device.type == "cpu" else LINEAR_MIN_ROWS
+    return tensor.size(0) < limit
 
 
 def cbsr_linear_pays(tensor: torch.Tensor, dim: int, k: int) -> bool:

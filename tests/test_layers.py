@@ -23,6 +23,7 @@ from helpers import (
     random_features,
     random_weights,
 )
+from pyg_maxk import CBSR
 from pyg_maxk.nn import MaxKGCNConv, MaxKGINConv, MaxKSAGEConv
 
 
@@ -335,6 +336,39 @@ def test_contract_sage_root_term_dense_and_cbsr(form, cbsr_root, monkeypatch):
     ours, stock = make_pair("sage")
     assert_same_as_stock(ours, stock, random_features(), (adjacency(form, ei, (N, N)),), K)
     assert bool(calls) == cbsr_root
+
+
+@pytest.mark.parametrize("dense_root", [False, True])
+@pytest.mark.parametrize("form", ["edge_index", "csr"])
+def test_contract_gin_root_term_dense_and_scattered(form, dense_root, monkeypatch):
+    # GIN's root term (1 + eps) h is added on the dense form on small graphs,
+    # else scattered from the CBSR (each forced here; eps is trained, so its
+    # gradient is checked too).
+    from pyg_maxk.nn import gin_conv
+    scattered = []
+    original = CBSR.add_to
+    monkeypatch.setattr(CBSR, "add_to", lambda *a, **kw: scattered.append(1) or
+                        original(*a, **kw))
+    monkeypatch.setattr(gin_conv, "dense_root_pays", lambda *args: dense_root)
+    ei = random_edge_index(N, N, 50, seed=3)
+    ours, stock = make_pair("gin")
+    for backend in ("torch", "cpu"):
+        assert_same_as_stock(ours, stock, random_features(), (adjacency(form, ei, (N, N)),), K,
+                             backend=backend)
+        stock.zero_grad()
+        ours.zero_grad()
+    assert bool(scattered) != dense_root
+
+
+def test_gin_root_term_scattered_under_autocast_or_other_dtypes():
+    # The dense form's in-place sum would promote to eps's dtype: features
+    # of another dtype take the scattered root term.
+    conv = MaxKGINConv(torch.nn.Linear(F_IN, F_OUT), k=K)
+    x = random_features()
+    assert conv.dense_root_pays(x)
+    assert not conv.dense_root_pays(x.double())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not conv.dense_root_pays(x)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])

@@ -7,6 +7,7 @@ from torch import Tensor
 from torch_geometric.nn.inits import reset
 from torch_geometric.typing import Adj, Size
 
+from ..dispatch import dense_root_pays
 from .conv_base import Features, MaxKConv, PairFeatures
 
 
@@ -20,8 +21,11 @@ class MaxKGINConv(MaxKConv):
         \cdot \mathbf{h}_i + \sum_{j \in \mathcal{N}(i)} \mathbf{h}_j \right),
         \qquad \mathbf{h} = \mathrm{MaxK}_k(\mathbf{x})
 
-    The root term :math:`(1 + \epsilon)\mathbf{h}_i` is scattered from the
-    CBSR values straight into the aggregate, never densified on its own.
+    The root term :math:`(1 + \epsilon)\mathbf{h}_i` is added on the dense
+    form of :math:`\mathbf{h}` (written with the aggregation, in one autograd
+    node) on small graphs, whose steps are bound by launches and nodes;
+    elsewhere it is scattered from the CBSR values straight into the
+    aggregate, never densified.
 
     Args:
         nn (torch.nn.Module): the network :math:`h_{\mathbf{\Theta}}`.
@@ -63,11 +67,22 @@ class MaxKGINConv(MaxKConv):
                 size: Size = None) -> Tensor:
         x_src, x_dst = self.split_features(x)
         graph = self.graph_for(edge_index, x_src, x_dst, size)
-        out, h_src, _ = self.sparsify_and_aggregate(graph, x_src)  # [N_dst, F_in]
-        if x_dst is not None:
+        dense_root = x_dst is x_src and self.dense_root_pays(x_src)
+        out, h_src, dense = self.sparsify_and_aggregate(graph, x_src, with_dense=dense_root)
+        if dense_root:
+            out = out.addcmul_(dense, 1 + self.eps)  # out is fresh
+        elif x_dst is not None:
             h_dst = h_src if x_dst is x_src else self.sparsify(x_dst)
             out = h_dst.add_to(out, 1 + self.eps, inplace=True)  # out is fresh
         return self.nn(out)
+
+    def dense_root_pays(self, x: Features) -> bool:
+        """Whether the root term of ``x`` (``x_src`` as ``x_dst``) is added on
+        its dense form (:func:`pyg_maxk.dispatch.dense_root_pays`); only for
+        features of ``eps``'s dtype outside autocast, where the in-place sum
+        keeps the aggregation's dtype as the scattered one does."""
+        return (isinstance(x, Tensor) and x.dtype == self.eps.dtype
+                and not torch.is_autocast_enabled(x.device.type) and dense_root_pays(x))
 
     def __repr__(self) -> str:
         return f"{self.__class__.__name__}(nn={self.nn}, {self._extra_repr_k()})"
