@@ -144,11 +144,13 @@ def cbsr_linear_backward(grad_out: Tensor, values: Tensor, indices: Tensor, weig
     grad_values = grad_weight = None
     index_array = indices.contiguous().numpy()
     if need_values:
-        grad_values = values.new_zeros(values.shape)               # [N, k]
         if n > 0 and weight.size(0) > 0:
+            grad_values = values.new_empty(values.shape)           # [N, k], written whole
             weight_t = _transposed(weight)                         # [dim, out]
             kernels.linear_input_grad_rows(grad_out.numpy(), index_array, weight_t.numpy(),
                                            grad_values.numpy())
+        else:  # no output features: nothing reaches the values
+            grad_values = values.new_zeros(values.shape)
     if need_weight:
         num_parts = max(1, min(torch.get_num_threads(), MAX_WEIGHT_GRAD_PARTS, n))
         parts = values.new_empty(num_parts, dim, weight.size(0))   # [parts, dim, out]
