@@ -143,6 +143,44 @@ def test_transposed_graph_groups_edges_by_source_in_csr_order():
         bad.transposed()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("order", ["shuffled", "sorted", "empty"])
+def test_cpu_build_matches_the_sort_and_searches(order, dtype):
+    # A CPU edge list is grouped by target in one counting-sort pass: the
+    # CSR, the edge order and the mean's edge values of a stable torch.sort,
+    # torch.searchsorted and torch's float division, bit for bit.
+    ei = random_edge_index(11, 8, 0 if order == "empty" else 70, seed=6)
+    ei = torch.cat([ei, ei[:, :5]], dim=1)  # multi-edges
+    if order == "sorted":
+        ei = ei[:, ei[1].argsort(stable=True)]
+    weight = torch.rand(ei.size(1), dtype=dtype) + 0.5
+    dst, perm = torch.sort(ei[1], stable=True)
+    rowptr = torch.searchsorted(dst, torch.arange(9))
+    deg = (rowptr[1:] - rowptr[:-1]).to(dtype)
+    inverse = 1.0 / deg.clamp(min=1)
+    per_edge = torch.repeat_interleave(inverse, (rowptr[1:] - rowptr[:-1]))
+    for edge_weight in (None, weight):
+        graph = CSRGraph.from_adj(ei, (11, 8), edge_weight=edge_weight, normalization="mean",
+                                  dtype=dtype, cache=False)
+        assert torch.equal(graph.rowptr, rowptr.int())
+        assert torch.equal(graph.col, ei[0, perm].int())
+        if order != "shuffled":  # already grouped: no order to keep
+            assert graph.edge_order is None
+        else:
+            assert torch.equal(graph.edge_order, perm)
+        expected = per_edge if edge_weight is None else weight[perm] * per_edge
+        assert graph.weight.dtype == dtype and torch.equal(graph.weight, expected)
+        if edge_weight is None:
+            assert torch.equal(graph.row_scale, inverse)
+
+
+def test_cpu_build_names_the_first_node_out_of_range():
+    with pytest.raises(IndexError, match="source node 7, outside \\[0, 3\\)"):
+        CSRGraph.from_adj(torch.tensor([[0, 7, 9], [1, 1, 1]]), (3, 3), cache=False)
+    with pytest.raises(IndexError, match="target node -1, outside \\[0, 2\\)"):
+        CSRGraph.from_adj(torch.tensor([[0, 1], [1, -1]]), (3, 2), cache=False)
+
+
 def test_errors():
     with pytest.raises(ValueError, match="integer"):
         CSRGraph.from_adj(torch.zeros(2, 3), (3, 3))

@@ -29,6 +29,8 @@ from .operands import (
 from .schedule import WorkSchedule, max_edges_per_item, work_schedule
 
 NORMALIZATIONS = ("sum", "mean", "gcn")
+#: Types of edge values the CPU build computes with its Numba kernels.
+CPU_DTYPES = (torch.float32, torch.float64)
 INT32_MAX = 2**31 - 1
 #: Edges below which a graph built on a GPU checks its ``edge_index`` there
 #: and gets bounded work schedules (:class:`WorkSchedule`): no host sync, as
@@ -52,6 +54,43 @@ def _transpose_on_cpu(rowptr: Tensor, col: Tensor, num_src: int
         raise ValueError(f"The graph has an edge from source node {int(col[bad])}, "
                          f"outside [0, {num_src})")
     return colptr, row, order
+
+
+def _group_on_cpu(src: Tensor, dst: Tensor, num_src: int, num_dst: int
+                  ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """``(rowptr, col, order or None)`` of a CPU edge list grouped by target
+    in one pass of a counting sort (stable; ``order`` is None where the list
+    was sorted by target already), range checks included: what the
+    reductions, ``torch.sort`` and ``torch.searchsorted`` of the general
+    path do, without their per-op host time (a new graph per batch pays it
+    on every step)."""
+    from ..kernels.cpu import group_by_target
+    index_dtype = torch.int32 if max(dst.numel(), num_src, num_dst) <= INT32_MAX else torch.int64
+    rowptr = torch.empty(num_dst + 1, dtype=index_dtype)
+    col = torch.empty(dst.numel(), dtype=index_dtype)
+    order = torch.empty(dst.numel(), dtype=torch.int64)
+    bad, is_target, is_sorted = group_by_target(
+        src.contiguous().numpy(), dst.contiguous().numpy(), num_src, rowptr.numpy(),
+        col.numpy(), order.numpy())
+    if bad >= 0:
+        what, bound, node = (("target", num_dst, dst[bad]) if is_target
+                             else ("source", num_src, src[bad]))
+        raise IndexError(f"edge_index holds {what} node {int(node)}, outside [0, {bound}) "
+                         f"for {bound} {what} nodes")
+    return rowptr, col, None if is_sorted else order
+
+
+def _mean_on_cpu(rowptr: Tensor, weight: Optional[Tensor], num_edges: int,
+                 dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+    """``(edge values, one over each row's in-degree)`` of the mean, in one
+    pass (:func:`~pyg_maxk.kernels.cpu.mean_edge_values`)."""
+    from ..kernels.cpu import mean_edge_values
+    inverse_degree = torch.empty(rowptr.numel() - 1, dtype=dtype)
+    values = torch.empty(num_edges, dtype=dtype)
+    mean_edge_values(rowptr.contiguous().numpy(),
+                     (weight if weight is not None else values).contiguous().numpy(),
+                     weight is not None, inverse_degree.numpy(), values.numpy())
+    return values, inverse_degree
 
 
 class CSRGraph:
@@ -370,7 +409,10 @@ class CSRGraph:
         col = col.to(index_dtype)
         weight = None if value is None else value.detach().to(dtype)
         row_scale = None
-        if normalization == "mean":
+        if normalization == "mean" and rowptr.device.type == "cpu" and dtype in CPU_DTYPES:
+            weight, inverse_degree = _mean_on_cpu(rowptr, weight, col.numel(), dtype)
+            row_scale = inverse_degree if value is None else None
+        elif normalization == "mean":
             deg = (rowptr[1:] - rowptr[:-1]).to(dtype)
             inv = 1.0 / deg.clamp(min=1)
             inv_per_edge = torch.repeat_interleave(inv, (rowptr[1:] - rowptr[:-1]).long(),
@@ -396,6 +438,14 @@ class CSRGraph:
         edge_index = plain(edge_index)
         num_src, num_dst = size
         src, dst = edge_index[0], edge_index[1]
+        if dst.device.type == "cpu":
+            rowptr, col, perm = _group_on_cpu(src, dst, num_src, num_dst)
+            value = None
+            if edge_weight is not None:
+                value = edge_weight if perm is None else edge_weight[perm]
+            graph = cls.from_csr(rowptr, col, value, size, normalization, dtype)
+            graph.edge_order = perm
+            return graph
         checked_on_device = dst.is_cuda and dst.numel() < BOUNDED_MAX_EDGES
         is_sorted = True
         if dst.numel() > 0 and not checked_on_device:

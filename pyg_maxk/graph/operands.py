@@ -62,6 +62,8 @@ class PackedGraph(NamedTuple):
 GRAPH_FIELDS = GraphOperands._fields
 _PACKED_DTYPES = (torch.int32, torch.int64, torch.uint8, torch.float32, torch.float64,
                   torch.float16, torch.bfloat16)
+#: Each packed type's code in a layout's flags: 1 + its index above (0: absent).
+_TYPE_CODES = {dtype: 1 + i for i, dtype in enumerate(_PACKED_DTYPES)}
 PACK_ALIGN = 16
 _WEIGHT_FIELDS = (GRAPH_FIELDS.index("weight"), GRAPH_FIELDS.index("weight_t"))
 #: The sizes in :attr:`PackedGraph.layout`, after its flags.
@@ -112,34 +114,42 @@ def pack(g: GraphOperands) -> Tuple[PackedGraph, GraphOperands]:
     gives (equal to ``g``'s arrays). Edge values that need a gradient stay
     apart (a copy would cut them off from it)."""
     learnable = [t is not None and t.requires_grad for t in (g.weight, g.weight_t)]
-    arrays = [None if i in _WEIGHT_FIELDS and learnable[_WEIGHT_FIELDS.index(i)] else a
-              for i, a in enumerate(g)]
-    layout = [0, *_layout_sizes(g)]
+    sizes = _layout_sizes(g)
+    flags = 0
     pieces: List[Tensor] = []
+    fields: List[Tuple[int, int, int, torch.dtype]] = []  # (field, offset, bytes, type)
+    offset = 0
     # Bytes that pad each array to PACK_ALIGN; never read, so left unset.
     padding = torch.empty(PACK_ALIGN, dtype=torch.uint8, device=g.col.device)
-    for i, a in enumerate(arrays):
-        if a is None:
+    for i, a in enumerate(g):
+        if a is None or (i in _WEIGHT_FIELDS and learnable[_WEIGHT_FIELDS.index(i)]):
             continue
-        if a.numel() != _field_length(layout, i):
+        size, plus = _FIELD_LENGTHS[i]
+        if a.numel() != sizes[size] + plus:
             raise ValueError(f"{GRAPH_FIELDS[i]} has {a.numel()} entries, "
-                             f"not {_field_length(layout, i)}")
-        layout[0] |= (1 + _PACKED_DTYPES.index(a.dtype)) << (_TYPE_BITS * i)
+                             f"not {sizes[size] + plus}")
+        flags |= _TYPE_CODES[a.dtype] << (_TYPE_BITS * i)
         nbytes = a.numel() * a.element_size()
+        padded = _padded(nbytes)
         if a.requires_grad:
             a = a.detach()
         pieces.append(a.contiguous().view(torch.uint8))  # every field is one-dimensional
-        if _padded(nbytes) > nbytes:
-            pieces.append(padding[:_padded(nbytes) - nbytes])
+        if padded > nbytes:
+            pieces.append(padding[:padded - nbytes])
+        fields.append((i, offset, nbytes, a.dtype))
+        offset += padded
     # One copy of every array (a new graph per batch is built on every step,
     # and each launch there costs host time).
     buffer = torch.cat(pieces) if pieces else padding[:0].clone()
     packed = PackedGraph(buffer, g.weight if learnable[0] else None,
-                         g.weight_t if learnable[1] else None, layout)
-    views = _views_of(buffer, layout, None, None)
+                         g.weight_t if learnable[1] else None, [flags, *sizes])
+    found: List[Optional[Tensor]] = [None] * len(GRAPH_FIELDS)
+    for i, at, nbytes, dtype in fields:
+        found[i] = buffer[at:at + nbytes].view(dtype)
+    views = GraphOperands(*found)
     # The views live on the buffer itself: unpack's eager shortcut, alive
     # exactly as long as the buffer (they hold its storage, not the buffer).
-    setattr(buffer, _VIEWS_ATTR, _Views(views, layout[0]))
+    setattr(buffer, _VIEWS_ATTR, _Views(views, flags))
     return packed, _with_weights(views, packed.weight, packed.weight_t)
 
 

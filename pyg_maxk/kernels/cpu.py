@@ -160,6 +160,63 @@ def transpose_rows(rowptr, col, colptr, row, order):
 
 
 @keyed_files
+@njit(cache=True)
+def group_by_target(src, dst, num_src, rowptr, col, order):
+    """The edge list ``src[e] -> dst[e]`` as CSR, grouped by target:
+    ``rowptr[num_dst + 1]``, ``col`` (each grouped edge's source) and
+    ``order`` (its position in the list); each target's edges keep their
+    order (a counting sort, stable). One pass checks the ranges and whether
+    the list is sorted by target already (``order`` is then left unset).
+    Returns ``(bad, is_target, is_sorted)``: ``bad`` is -1, or the first
+    edge whose source (``is_target`` false) or target lies outside ``[0,
+    num_src)`` or ``[0, num_dst)`` (then the outputs are incomplete)."""
+    num_dst = rowptr.shape[0] - 1
+    rowptr[:] = 0
+    is_sorted = True
+    previous = 0
+    for e in range(dst.shape[0]):
+        s, d = src[e], dst[e]
+        if s < 0 or s >= num_src:
+            return e, False, False
+        if d < 0 or d >= num_dst:
+            return e, True, False
+        is_sorted = is_sorted and d >= previous
+        previous = d
+        rowptr[d + 1] += 1
+    for r in range(num_dst):
+        rowptr[r + 1] += rowptr[r]
+    if is_sorted:
+        for e in range(src.shape[0]):
+            col[e] = src[e]
+        return -1, False, True
+    cursor = rowptr[:num_dst].copy()
+    for e in range(dst.shape[0]):
+        d = dst[e]
+        at = cursor[d]
+        cursor[d] = at + 1
+        col[at] = src[e]
+        order[at] = e
+    return -1, False, False
+
+
+@keyed_files
+@njit(cache=True)
+def mean_edge_values(rowptr, weight, has_weight, inverse_degree, mean_weight):
+    """The mean's edge values: ``inverse_degree[r] = 1 / max(deg_r, 1)`` and
+    ``mean_weight[e] = weight[e] * inverse_degree[r]`` (``inverse_degree[r]``
+    without ``has_weight``) for every edge ``e`` of row ``r``. The quotient
+    is taken in float64 and rounded once to the arrays' type: for float32
+    the correctly rounded float32 quotient (float64 has more than twice its
+    precision), as torch's float32 division gives."""
+    for r in range(rowptr.shape[0] - 1):
+        start, end = rowptr[r], rowptr[r + 1]
+        inverse_degree[r] = 1.0 / max(end - start, 1)
+        scale = inverse_degree[r]
+        for e in range(start, end):
+            mean_weight[e] = weight[e] * scale if has_weight else scale
+
+
+@keyed_files
 @njit(parallel=True, cache=True)
 def sddmm_rows(rowptr, col, values, indices, grad_out, grad_weight):
     """``grad_weight[e] = sum_j values[c, j] * grad_out[r, indices[c, j]]`` for
