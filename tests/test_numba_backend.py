@@ -696,3 +696,26 @@ def test_features_gradient_fused_densify_against_float64(given, size, dim, k):
     results = [lib.maxk_input_grad(*packed, h.indices, *present.values(), dim, torch.float32,
                                    backend) for backend in ("numba", "torch")]
     torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_dst,num_edges,max_edges", [
+    pytest.param(6, 23, 3, marks=smoke), (5, 23, 1), (6, 23, 8), (40, 120, 16), (1, 0, 4),
+    (3, 0, 2), (10, 200, 7), (0, 0, 3)])
+@pytest.mark.parametrize("heavy", [False, True])
+def test_bounded_schedule_kernels_match_the_torch_build(num_dst, num_edges, max_edges, heavy):
+    # A new graph's bounded schedule by two kernels and a prefix sum: the
+    # torch ops' items, padding and zeroed rows exactly (rows without edges,
+    # split rows, no rows at all), from int32 row pointers.
+    from pyg_maxk.graph.schedule import schedule_with_torch, work_schedule
+    g = torch.Generator().manual_seed(num_edges + max_edges)
+    dst = torch.randint(0, max(num_dst, 1), (num_edges,), generator=g)
+    if heavy:
+        dst[:num_edges // 2] = 0
+    dst = torch.sort(dst).values
+    rowptr = torch.searchsorted(dst, torch.arange(num_dst + 1)).to(DEVICE)
+    expected = schedule_with_torch(rowptr.long(), num_edges, max_edges, True)
+    poison_allocator()
+    built = work_schedule(rowptr.int(), num_edges, max_edges, True)
+    for name in ("row", "start", "end", "split", "zeroed_rows"):
+        got, want = getattr(built, name), getattr(expected, name)
+        assert got.dtype == want.dtype and torch.equal(got, want), name

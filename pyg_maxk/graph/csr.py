@@ -248,7 +248,7 @@ class CSRGraph:
                 f"{self.num_edges} edges and {self.num_dst} rows (limit "
                 f"{INT32_MAX}). Split the graph (e.g. NeighborLoader) or use "
                 f"the 'torch' backend.")
-        schedule = work_schedule(self.rowptr.long(), self.num_edges, max_edges, bounded)
+        schedule = work_schedule(self.rowptr, self.num_edges, max_edges, bounded)
         self._schedules[max_edges] = schedule
         return schedule
 

@@ -3,6 +3,7 @@ into items of at most ``max_edges`` edges, one warp's share each."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Tuple
 
 import torch
 from torch import Tensor
@@ -63,16 +64,47 @@ def _nonzero(mask: Tensor, count: int, fill_value: int = -1) -> Tensor:
 
 
 def work_schedule(rowptr: Tensor, num_edges: int, max_edges: int,
-                   bounded: bool) -> "WorkSchedule":
-    """The :class:`WorkSchedule` of the CSR rows ``rowptr`` (int64)."""
+                  bounded: bool) -> "WorkSchedule":
+    """The :class:`WorkSchedule` of the CSR rows ``rowptr``: a bounded one
+    by the Numba kernels where they run (three launches), else, and exact
+    ones (built once per graph), by torch ops."""
+    if bounded and _kernels_build(rowptr):
+        from ..ops.numba_ops import bounded_work_items
+        num_dst = rowptr.numel() - 1
+        num_items, num_zeroed = bounded_sizes(num_dst, num_edges, max_edges)
+        items, zeroed_rows = bounded_work_items(rowptr, num_items, num_zeroed, max_edges)
+        row, start, end, split = items
+        return WorkSchedule(max_edges=max_edges, row=row, start=start, end=end, split=split,
+                            zeroed_rows=zeroed_rows, bounded=True)
+    return schedule_with_torch(rowptr.long(), num_edges, max_edges, bounded)
+
+
+def bounded_sizes(num_dst: int, num_edges: int, max_edges: int) -> Tuple[int, int]:
+    """``(items, zeroed rows)`` of a bounded schedule: known from the shape."""
+    return num_dst + num_edges // max_edges, min(num_dst, num_edges // (max_edges + 1))
+
+
+def _kernels_build(rowptr: Tensor) -> bool:
+    """Whether the Numba kernels build a bounded schedule of ``rowptr``: on a
+    GPU (or in Numba's simulator) where Numba's CUDA target imports."""
+    from ..kernels import numba_status, simulator_enabled
+    if not (rowptr.is_cuda or simulator_enabled()):
+        return False
+    status = numba_status()
+    return status.importable and (status.cuda_available or status.simulator)
+
+
+def schedule_with_torch(rowptr: Tensor, num_edges: int, max_edges: int,
+                        bounded: bool) -> "WorkSchedule":
+    """The :class:`WorkSchedule` of the CSR rows ``rowptr`` (int64) in torch
+    ops."""
     device = rowptr.device
     num_dst = rowptr.numel() - 1
     deg = rowptr[1:] - rowptr[:-1]
     pieces = ((deg + (max_edges - 1)) // max_edges).clamp_(min=1)
     is_split = pieces > 1
     if bounded:
-        num_items = num_dst + num_edges // max_edges
-        num_zeroed = min(num_dst, num_edges // (max_edges + 1))
+        num_items, num_zeroed = bounded_sizes(num_dst, num_edges, max_edges)
     else:  # the two data-dependent sizes in one host sync
         num_items, num_zeroed = torch.stack([pieces.sum(), is_split.sum()]).tolist()
     last_item = torch.cumsum(pieces, 0)

@@ -46,6 +46,7 @@ from ..kernels.maxk_select import (
     gather_kernel,
     select_kernel,
 )
+from ..kernels.schedule import row_pieces_kernel, work_items_kernel
 from ..kernels.spgemm import (
     pair_width_fits,
     pairs_kernel,
@@ -301,6 +302,34 @@ def column_sums(x: Tensor) -> Tensor:
         run(column_sum_kernel(columns, half_kind(x.dtype)), -(-slices * columns // threads),
             threads, x.device, _kernel_input(x), out, n, slices)
     return as_dtype(out, x.dtype)
+
+
+# --------------------------------------------------------- work schedule
+def bounded_work_items(rowptr: Tensor, num_items: int, num_zeroed: int,
+                       max_edges: int) -> Tuple[Tensor, Tensor]:
+    """``(items [4, num_items] int32, zeroed_rows [num_zeroed] int64)`` of
+    the bounded work schedule of the CSR rows ``rowptr`` (rows ``row``,
+    ``start``, ``end``, ``split`` of ``items``; see
+    :class:`~pyg_maxk.graph.WorkSchedule`): two kernels and one prefix sum
+    (:mod:`~pyg_maxk.kernels.schedule`), no host sync."""
+    device = rowptr.device
+    num_dst = rowptr.numel() - 1
+    items = torch.empty(4, num_items, dtype=torch.int32, device=device)
+    zeroed = torch.empty(num_zeroed, dtype=torch.int64, device=device)
+    if num_dst == 0 or max(num_items, num_zeroed) == 0:
+        return items, zeroed  # no rows: no items (num_items <= num_edges = 0)
+    run = launcher()
+    threads = geometry.block_threads()
+    rowptr = rowptr.contiguous()
+    counts = torch.empty(2, num_dst, dtype=torch.int64, device=device)
+    blocks = min(-(-num_dst // threads), run.max_blocks(device, threads))
+    run(row_pieces_kernel(), blocks, threads, device, rowptr, max_edges, counts, num_dst)
+    sums = torch.cumsum(counts, dim=1)
+    work = max(num_items, num_zeroed)
+    blocks = min(-(-work // threads), run.max_blocks(device, threads))
+    run(work_items_kernel(), blocks, threads, device, rowptr, sums, max_edges, items, zeroed,
+        num_dst, num_items, num_zeroed)
+    return items, zeroed
 
 
 # ------------------------------------------------------------ SpGEMM ops
