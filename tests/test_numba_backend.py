@@ -719,3 +719,47 @@ def test_bounded_schedule_kernels_match_the_torch_build(num_dst, num_edges, max_
     for name in ("row", "start", "end", "split", "zeroed_rows"):
         got, want = getattr(built, name), getattr(expected, name)
         assert got.dtype == want.dtype and torch.equal(got, want), name
+
+
+@pytest.mark.parametrize("normalization,weighted", [
+    pytest.param("mean", False, marks=smoke), ("mean", True), ("sum", False), ("sum", True),
+    ("gcn", True)])
+@pytest.mark.parametrize("num_src,num_dst,num_edges", [(9, 7, 40), (5, 12, 0), (6, 1, 9)])
+def test_new_graph_csr_kernel_matches_the_torch_build(normalization, weighted, num_src,
+                                                      num_dst, num_edges):
+    # A new GPU graph's CSR in one launch (row pointers by binary search,
+    # int32 sources, the mean's 1/deg rounded once, the range check into a
+    # flag): the torch build's arrays bit for bit, rows without edges too.
+    ei = random_edge_index(num_src, num_dst, num_edges, seed=num_edges).to(DEVICE)
+    w = (torch.rand(num_edges) + 0.1).to(DEVICE) if weighted else None
+    src, (dst, perm) = ei[0], torch.sort(ei[1], stable=True)
+    expected = CSRGraph.from_csr(torch.searchsorted(dst, torch.arange(num_dst + 1,
+                                                                      device=DEVICE)),
+                                 src[perm], None if w is None else w[perm],
+                                 (num_src, num_dst), normalization)
+    poison_allocator()
+    graph = CSRGraph._from_sorted_with_kernels(src[perm], dst, perm, w, (num_src, num_dst),
+                                               normalization)
+    assert torch.equal(graph.edge_order, perm)
+    for name in ("rowptr", "col", "weight", "row_scale"):
+        got, want = getattr(graph, name), getattr(expected, name)
+        assert (got is None) == (want is None), name
+        if got is not None:
+            assert got.dtype == want.dtype and torch.equal(got, want), name
+
+
+@pytest.mark.parametrize("bad", ["source", "target_high", "target_low"])
+def test_new_graph_csr_kernel_flags_indices_out_of_range(bad):
+    from pyg_maxk.ops.numba_ops import csr_of_sorted
+    ei = torch.tensor([[0, 1, 2, 1], [0, 1, 1, 2]])
+    if bad == "source":
+        ei[0, 2] = 3
+    elif bad == "target_high":
+        ei[1, 3] = 3
+    else:
+        ei[1, 0] = -1
+    ei = ei.to(DEVICE)
+    *_, ok = csr_of_sorted(ei[0], ei[1], None, 3, 3, True)
+    assert ok.tolist() == [0]
+    *_, ok = csr_of_sorted(ei[0].clamp(0, 2), ei[1].clamp(0, 2), None, 3, 3, True)
+    assert ok.tolist() == [1]

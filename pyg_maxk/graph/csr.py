@@ -459,6 +459,9 @@ class CSRGraph:
         if checked_on_device or not is_sorted:
             dst, perm = torch.sort(dst, stable=True)
             src = src[perm]
+        if checked_on_device and _csr_by_kernel(dst, normalization, dtype, size):
+            return cls._from_sorted_with_kernels(src, dst, perm, edge_weight, size,
+                                                 normalization)
         # Row r starts at the first edge whose target is r or more: a binary
         # search over the sorted targets, with no host sync (a CUDA bincount
         # reads its input's range back to the host).
@@ -470,6 +473,28 @@ class CSRGraph:
         if edge_weight is not None:
             value = edge_weight if perm is None else edge_weight[perm]
         graph = cls.from_csr(rowptr, src, value, size, normalization, dtype)
+        graph.edge_order = perm
+        return graph
+
+    @classmethod
+    def _from_sorted_with_kernels(cls, src: Tensor, dst: Tensor, perm: Tensor,
+                                  edge_weight: Optional[Tensor], size: Tuple[int, int],
+                                  normalization: str) -> "CSRGraph":
+        """:meth:`from_edge_index` of edges sorted by target (``perm``: their
+        order in the list) in one Numba launch
+        (:func:`pyg_maxk.ops.numba_ops.csr_of_sorted`): the row pointers,
+        the int32 sources, the normalised edge values and the range check,
+        which reaches the host as a device-side assert."""
+        from ..ops.numba_ops import csr_of_sorted
+        value = None
+        if edge_weight is not None:
+            value = edge_weight.detach()[perm].to(torch.float32)
+        elif normalization == "gcn":
+            raise ValueError("gcn normalisation needs edge values")
+        mean = normalization == "mean"
+        rowptr, col, weight, row_scale, ok = csr_of_sorted(src, dst, value, *size, mean)
+        torch._assert_async(ok, "edge_index holds a node index outside [0, num_nodes)")
+        graph = cls(rowptr, col, weight, size, normalization, row_scale)
         graph.edge_order = perm
         return graph
 
@@ -539,6 +564,17 @@ def _simulated_kernels() -> bool:
     on CPU tensors here (Numba's simulator)."""
     from ..kernels import simulator_enabled
     return simulator_enabled()
+
+
+def _csr_by_kernel(dst: Tensor, normalization: str, dtype: torch.dtype,
+                   size: Tuple[int, int]) -> bool:
+    """Whether a new GPU graph's CSR is built by a Numba kernel: float32
+    edge values, int32 indices, where Numba's CUDA target imports."""
+    from ..kernels import numba_status
+    status = numba_status()
+    return (dtype == torch.float32 and normalization in NORMALIZATIONS
+            and max(dst.numel(), *size) <= INT32_MAX and status.importable
+            and (status.cuda_available or status.simulator))
 
 
 @torch.compiler.disable

@@ -32,6 +32,7 @@ from ..kernels import geometry
 from ..kernels._half import stores_pairs
 from ..kernels._vector import PACKED_HALF_SLOTS
 from ..kernels._warp import WARP
+from ..kernels.build import csr_of_sorted_kernel, row_pieces_kernel, work_items_kernel
 from ..kernels.linear import (
     column_sum_kernel,
     column_sum_slices,
@@ -46,7 +47,6 @@ from ..kernels.maxk_select import (
     gather_kernel,
     select_kernel,
 )
-from ..kernels.schedule import row_pieces_kernel, work_items_kernel
 from ..kernels.spgemm import (
     pair_width_fits,
     pairs_kernel,
@@ -305,13 +305,44 @@ def column_sums(x: Tensor) -> Tensor:
 
 
 # --------------------------------------------------------- work schedule
+def csr_of_sorted(src: Tensor, dst: Tensor, value: Optional[Tensor], num_src: int,
+                  num_dst: int, mean: bool
+                  ) -> Tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor], Tensor]:
+    """``(rowptr, col, weight, row_scale, ok)`` of the edges ``src -> dst``
+    sorted by target, in one launch
+    (:func:`~pyg_maxk.kernels.build.csr_of_sorted_kernel`): int32 row
+    pointers and sources, float32 edge values (``value``, float32, divided
+    by each row's in-degree with ``mean``; None without either), the mean's
+    row scale where it has no ``value``, and ``ok``, a one-entry flag that
+    is 0 where an index was out of range. No host sync."""
+    device = dst.device
+    num_edges = dst.numel()
+    rowptr = torch.empty(num_dst + 1, dtype=torch.int32, device=device)
+    col = torch.empty(num_edges, dtype=torch.int32, device=device)
+    weight = (torch.empty(num_edges, dtype=KERNEL_DTYPE, device=device)
+              if mean or value is not None else None)
+    row_scale = (torch.empty(num_dst, dtype=KERNEL_DTYPE, device=device)
+                 if mean and value is None else None)
+    ok = torch.ones(1, dtype=torch.uint8, device=device)
+    run = launcher()
+    threads = geometry.block_threads()
+    work = max(num_dst + 1, num_edges)
+    blocks = min(-(-work // threads), run.max_blocks(device, threads))
+    kernel = csr_of_sorted_kernel(mean, value is not None)
+    unread = torch.empty(1, dtype=KERNEL_DTYPE, device=device)  # stands in for the absent
+    run(kernel, blocks, threads, device, src.contiguous(), dst.contiguous(),
+        _or_unread(value, unread).contiguous(), num_src, num_dst, num_edges, rowptr, col,
+        _or_unread(weight, unread), _or_unread(row_scale, unread), ok)
+    return rowptr, col, weight, row_scale, ok
+
+
 def bounded_work_items(rowptr: Tensor, num_items: int, num_zeroed: int,
                        max_edges: int) -> Tuple[Tensor, Tensor]:
     """``(items [4, num_items] int32, zeroed_rows [num_zeroed] int64)`` of
     the bounded work schedule of the CSR rows ``rowptr`` (rows ``row``,
     ``start``, ``end``, ``split`` of ``items``; see
     :class:`~pyg_maxk.graph.WorkSchedule`): two kernels and one prefix sum
-    (:mod:`~pyg_maxk.kernels.schedule`), no host sync."""
+    (:mod:`~pyg_maxk.kernels.build`), no host sync."""
     device = rowptr.device
     num_dst = rowptr.numel() - 1
     items = torch.empty(4, num_items, dtype=torch.int32, device=device)
