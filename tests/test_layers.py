@@ -321,16 +321,22 @@ def test_one_autograd_node_selects_and_aggregates(kind):
     assert sorted(ours_nodes) == sorted(expected), names
 
 
+def _calls_of(monkeypatch, owner, name: str) -> list:
+    """A list that grows by one on every call of ``owner.name``, which still
+    runs."""
+    calls = []
+    original = getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    return calls
+
+
 @pytest.mark.parametrize("cbsr_root", [False, True])
 @pytest.mark.parametrize("form", ["edge_index", "csr"])
 def test_contract_sage_root_term_dense_and_cbsr(form, cbsr_root, monkeypatch):
     # SAGE's root term is a CBSR linear op where that pays, else stock's
     # dense linear map (each forced here).
     from pyg_maxk.nn import sage_conv
-    calls = []
-    original = sage_conv.cbsr_linear
-    monkeypatch.setattr(sage_conv, "cbsr_linear", lambda *a, **kw: calls.append(1) or
-                        original(*a, **kw))
+    calls = _calls_of(monkeypatch, sage_conv, "cbsr_linear")
     monkeypatch.setattr(sage_conv, "cbsr_linear_pays", lambda *args: cbsr_root)
     ei = random_edge_index(N, N, 50, seed=3)
     ours, stock = make_pair("sage")
@@ -345,10 +351,7 @@ def test_contract_gin_root_term_dense_and_scattered(form, dense_root, monkeypatc
     # else scattered from the CBSR (each forced here; eps is trained, so its
     # gradient is checked too).
     from pyg_maxk.nn import gin_conv
-    scattered = []
-    original = CBSR.add_to
-    monkeypatch.setattr(CBSR, "add_to", lambda *a, **kw: scattered.append(1) or
-                        original(*a, **kw))
+    scattered = _calls_of(monkeypatch, CBSR, "add_to")
     monkeypatch.setattr(gin_conv, "dense_root_pays", lambda *args: dense_root)
     ei = random_edge_index(N, N, 50, seed=3)
     ours, stock = make_pair("gin")
@@ -376,10 +379,7 @@ def test_sage_root_term_is_cbsr_where_the_cpu_kernels_run_it(backend, monkeypatc
     # The CPU linear kernels do k/dim of a GEMM's multiply-adds at any size;
     # the torch backend's CBSR linear map is a GEMM of the dense form anyway.
     from pyg_maxk.nn import sage_conv
-    calls = []
-    original = sage_conv.cbsr_linear
-    monkeypatch.setattr(sage_conv, "cbsr_linear", lambda *a, **kw: calls.append(1) or
-                        original(*a, **kw))
+    calls = _calls_of(monkeypatch, sage_conv, "cbsr_linear")
     ei = random_edge_index(N, N, 50, seed=4)
     ours, stock = make_pair("sage")
     assert_same_as_stock(ours, stock, random_features(), (ei,), K, backend=backend)

@@ -440,12 +440,7 @@ class CSRGraph:
         src, dst = edge_index[0], edge_index[1]
         if dst.device.type == "cpu":
             rowptr, col, perm = _group_on_cpu(src, dst, num_src, num_dst)
-            value = None
-            if edge_weight is not None:
-                value = edge_weight if perm is None else edge_weight[perm]
-            graph = cls.from_csr(rowptr, col, value, size, normalization, dtype)
-            graph.edge_order = perm
-            return graph
+            return cls._from_grouped(rowptr, col, perm, edge_weight, size, normalization, dtype)
         checked_on_device = dst.is_cuda and dst.numel() < BOUNDED_MAX_EDGES
         is_sorted = True
         if dst.numel() > 0 and not checked_on_device:
@@ -469,10 +464,18 @@ class CSRGraph:
             dst, torch.arange(num_dst + 1, dtype=dst.dtype, device=dst.device))
         if checked_on_device and dst.numel() > 0:
             _assert_in_range(src, rowptr, num_src, dst.numel())
+        return cls._from_grouped(rowptr, src, perm, edge_weight, size, normalization, dtype)
+
+    @classmethod
+    def _from_grouped(cls, rowptr: Tensor, col: Tensor, perm: Optional[Tensor],
+                      edge_weight: Optional[Tensor], size: Tuple[int, int],
+                      normalization: str, dtype: torch.dtype) -> "CSRGraph":
+        """:meth:`from_csr` of edges grouped by target, whose positions in the
+        edge list are ``perm`` (None: in the list's order)."""
         value = None
         if edge_weight is not None:
             value = edge_weight if perm is None else edge_weight[perm]
-        graph = cls.from_csr(rowptr, src, value, size, normalization, dtype)
+        graph = cls.from_csr(rowptr, col, value, size, normalization, dtype)
         graph.edge_order = perm
         return graph
 

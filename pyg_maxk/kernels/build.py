@@ -55,9 +55,10 @@ def csr_of_sorted_kernel(mean: bool, has_value: bool):
     ``rowptr[r]`` (``r <= num_dst``), ``col[e] = src[e]`` as int32, and the
     float32 edge values: ``value[e]`` (with ``has_value``), times one over
     the row's in-degree (at least 1) with ``mean``, which without
-    ``has_value`` also writes it to ``row_scale[r]``. The quotient is taken in float64 and rounded once:
-    the correctly rounded float32 quotient (float64 has more than twice its
-    precision), as torch's float32 division gives. An absent output is never
+    ``has_value`` also writes it to ``row_scale[r]``. The quotient is taken
+    in float64 and rounded once: the correctly rounded float32 quotient
+    (float64 has more than twice its precision), as torch's float32
+    division gives. An absent output is never
     written (any array stands in for it).
 
     ``ok[0]`` is set to 0 where a source lies outside ``[0, num_src)``, or a
