@@ -26,7 +26,7 @@ from .operands import (
     pack,
     without_weights,
 )
-from .schedule import WorkSchedule, max_edges_per_item, work_schedule
+from .schedule import WorkSchedule, max_edges_per_item, numba_builds, work_schedule
 
 NORMALIZATIONS = ("sum", "mean", "gcn")
 #: Types of edge values the CPU build computes with its Numba kernels.
@@ -454,7 +454,7 @@ class CSRGraph:
         if checked_on_device or not is_sorted:
             dst, perm = torch.sort(dst, stable=True)
             src = src[perm]
-        if checked_on_device and _csr_by_kernel(dst, normalization, dtype, size):
+        if checked_on_device and _csr_by_kernel(dst, dtype, size):
             return cls._from_sorted_with_kernels(src, dst, perm, edge_weight, size,
                                                  normalization)
         # Row r starts at the first edge whose target is r or more: a binary
@@ -569,15 +569,10 @@ def _simulated_kernels() -> bool:
     return simulator_enabled()
 
 
-def _csr_by_kernel(dst: Tensor, normalization: str, dtype: torch.dtype,
-                   size: Tuple[int, int]) -> bool:
+def _csr_by_kernel(dst: Tensor, dtype: torch.dtype, size: Tuple[int, int]) -> bool:
     """Whether a new GPU graph's CSR is built by a Numba kernel: float32
-    edge values, int32 indices, where Numba's CUDA target imports."""
-    from ..kernels import numba_status
-    status = numba_status()
-    return (dtype == torch.float32 and normalization in NORMALIZATIONS
-            and max(dst.numel(), *size) <= INT32_MAX and status.importable
-            and (status.cuda_available or status.simulator))
+    edge values and int32 indices, where the kernels build (:func:`numba_builds`)."""
+    return dtype == torch.float32 and max(dst.numel(), *size) <= INT32_MAX and numba_builds(dst)
 
 
 @torch.compiler.disable

@@ -68,7 +68,7 @@ def work_schedule(rowptr: Tensor, num_edges: int, max_edges: int,
     """The :class:`WorkSchedule` of the CSR rows ``rowptr``: a bounded one
     by the Numba kernels where they run (three launches), else, and exact
     ones (built once per graph), by torch ops."""
-    if bounded and _kernels_build(rowptr):
+    if bounded and numba_builds(rowptr):
         from ..ops.numba_ops import bounded_work_items
         num_dst = rowptr.numel() - 1
         num_items, num_zeroed = bounded_sizes(num_dst, num_edges, max_edges)
@@ -84,11 +84,11 @@ def bounded_sizes(num_dst: int, num_edges: int, max_edges: int) -> Tuple[int, in
     return num_dst + num_edges // max_edges, min(num_dst, num_edges // (max_edges + 1))
 
 
-def _kernels_build(rowptr: Tensor) -> bool:
-    """Whether the Numba kernels build a bounded schedule of ``rowptr``: on a
-    GPU (or in Numba's simulator) where Numba's CUDA target imports."""
+def numba_builds(t: Tensor) -> bool:
+    """Whether Numba kernels build a new graph's arrays on ``t``'s device: a
+    GPU (or Numba's simulator) where Numba's CUDA target imports."""
     from ..kernels import numba_status, simulator_enabled
-    if not (rowptr.is_cuda or simulator_enabled()):
+    if not (t.is_cuda or simulator_enabled()):
         return False
     status = numba_status()
     return status.importable and (status.cuda_available or status.simulator)

@@ -304,7 +304,7 @@ def column_sums(x: Tensor) -> Tensor:
     return as_dtype(out, x.dtype)
 
 
-# --------------------------------------------------------- work schedule
+# ------------------------------------------------- a new graph's arrays
 def csr_of_sorted(src: Tensor, dst: Tensor, value: Optional[Tensor], num_src: int,
                   num_dst: int, mean: bool
                   ) -> Tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor], Tensor]:
