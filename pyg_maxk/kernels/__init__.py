@@ -4,6 +4,7 @@ parameters only; :mod:`pyg_maxk.ops.numba_ops` wraps them as torch ops.
 * :mod:`.maxk_select`: top-k per row into CBSR, and CBSR back to dense rows.
 * :mod:`.spgemm`: forward CSR x CBSR product and backward SSpMM.
 * :mod:`.linear`: CBSR x dense weight (SAGE's root term) without densifying.
+* :mod:`.build`: a new graph's CSR and work schedule on the GPU.
 
 Every kernel is compiled once per specialisation (``dim``, ``k``, ...) and
 cached. Importing this package does not import Numba; :func:`cuda_module`
