@@ -230,7 +230,10 @@ def cbsr_linear_pays(tensor: torch.Tensor, dim: int, k: int) -> bool:
     bound by host time, of which torch's own autograd nodes spend less)."""
     if tensor.size(0) >= LINEAR_MIN_ROWS:
         return True
-    return choose("linear", tensor, dim=dim, k=k, large=False) == "cpu"
+    # The device first: a GPU layer's trace under torch.compile then never
+    # reaches the backend probe (Numba's driver checks are not traceable).
+    return tensor.device.type == "cpu" and choose("linear", tensor, dim=dim, k=k,
+                                                  large=False) == "cpu"
 
 
 _DECISIONS: Dict[Tuple, str] = {}

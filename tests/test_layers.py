@@ -386,6 +386,19 @@ def test_sage_root_term_is_cbsr_where_the_cpu_kernels_run_it(backend, monkeypatc
     assert bool(calls) == (backend == "cpu")
 
 
+
+def test_cbsr_root_decision_off_the_cpu_asks_no_backend(monkeypatch):
+    # Off the CPU the CPU kernels never run: the answer comes without the
+    # backend probe, which torch.compile cannot trace on a GPU host.
+    from pyg_maxk import dispatch
+
+    def probe(*args, **kwargs):
+        raise AssertionError("the backend was asked")
+    monkeypatch.setattr(dispatch, "choose", probe)
+    assert not dispatch.cbsr_linear_pays(torch.empty(16, 8, device="meta"), 8, 4)
+    assert dispatch.cbsr_linear_pays(torch.empty(dispatch.LINEAR_MIN_ROWS, 8, device="meta"),
+                                     8, 4)
+
 @pytest.mark.parametrize("hooked", [False, True])
 def test_sage_dense_root_accumulates_in_place_unless_hooked(hooked, monkeypatch):
     # The dense root term's product is added in place into lin_l's output;
