@@ -508,7 +508,7 @@ def _host_syncs(fn) -> list:
     return sites
 
 
-@pytest.mark.parametrize("normalization", ["mean", "sum"])
+@pytest.mark.parametrize("normalization", ["mean", "sum", "gcn"])
 def test_a_new_graph_makes_no_host_sync(normalization):
     # What a conv builds for an edge_index it has not seen (a new graph per
     # mini-batch): the CSR (a stable sort, binary searches for the row
@@ -528,14 +528,15 @@ def test_a_new_graph_makes_no_host_sync(normalization):
     assert len(sites) <= 1, sites
 
 
-@pytest.mark.parametrize("kind", ["sage", "gin"])
+@pytest.mark.parametrize("kind", ["sage", "gcn", "gin"])
 def test_a_training_step_on_a_new_graph_makes_no_host_sync(kind):
     # A new edge_index on every step, as mini-batches give: forward, loss,
-    # backward and optimiser step with synchronising calls made errors.
-    # (GCN is left out: PyG's gcn_norm, which both sides run, syncs.)
-    from pyg_maxk.nn import MaxKGIN, MaxKGraphSAGE
+    # backward and optimiser step with synchronising calls made errors
+    # (GCN's normalisation too, which PyG's gcn_norm does with a sync).
+    from pyg_maxk.nn import MaxKGCN, MaxKGIN, MaxKGraphSAGE
     torch.manual_seed(0)
-    model = {"sage": MaxKGraphSAGE, "gin": MaxKGIN}[kind](48, 64, 2, 5, k=8).cuda()
+    model = {"sage": MaxKGraphSAGE, "gcn": MaxKGCN, "gin": MaxKGIN}[kind](48, 64, 2, 5,
+                                                                        k=8).cuda()
     opt = torch.optim.Adam(model.parameters())
     x, y = torch.randn(300, 48, device="cuda"), torch.randint(0, 5, (300,), device="cuda")
     ei = random_edge_index(300, 300, 3000, seed=6).cuda()

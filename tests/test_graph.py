@@ -326,3 +326,28 @@ def test_a_prepared_graph_survives_torch_save_and_deepcopy(normalization, tmp_pa
         assert other is not graph and other.is_prepared(4)
         assert other.size == graph.size and other.normalization == graph.normalization
         assert torch.equal(pyg_maxk.aggregate(other, h), expected)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("improved", [False, True])
+@pytest.mark.parametrize("self_loops", [False, True])
+def test_gcn_norm_of_an_edge_list_is_pygs(weighted, improved, self_loops):
+    # The same adjacency as PyG's gcn_norm (which drops existing self-loops
+    # before it adds one per node; a node with two loops keeps one's weight),
+    # with existing loops kept at weight 0 instead of removed.
+    from torch_geometric.nn.conv.gcn_conv import gcn_norm
+    from torch_geometric.utils import to_dense_adj
+
+    from pyg_maxk.graph.csr import gcn_norm_of_edge_list
+    n = 40
+    ei = random_edge_index(n, n, 300, seed=11)
+    ei[:, :4] = torch.tensor([[1, 5, 9, 9], [1, 5, 9, 9]])
+    weight = torch.rand(ei.size(1), generator=torch.Generator().manual_seed(3)) + 0.5 \
+        if weighted else None
+    if weighted:
+        weight[3] = weight[2]  # index_put keeps either of node 9's loops
+    expected = gcn_norm(ei, weight, n, improved, self_loops, "source_to_target",
+                        torch.float32)
+    actual = gcn_norm_of_edge_list(ei, weight, n, improved, self_loops, torch.float32)
+    dense = [to_dense_adj(e, edge_attr=w, max_num_nodes=n) for e, w in (expected, actual)]
+    torch.testing.assert_close(dense[1], dense[0], rtol=1e-6, atol=0)

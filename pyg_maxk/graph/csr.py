@@ -632,9 +632,44 @@ def _build(adj: Any, size, edge_weight, normalization, use_sparse_tensor_values,
         if sizes[0] != sizes[1]:
             raise ValueError("gcn normalisation needs a square adjacency, got "
                              f"size={sizes}")
-        from torch_geometric.nn.conv.gcn_conv import gcn_norm
-        edge_index, edge_weight = gcn_norm(plain(adj), edge_weight, sizes[0],
-                                           gcn_improved, gcn_add_self_loops,
-                                           "source_to_target", dtype)
+        edge_index, edge_weight = gcn_norm_of_edge_list(plain(adj), edge_weight, sizes[0],
+                                                        gcn_improved, gcn_add_self_loops,
+                                                        dtype)
         return CSRGraph.from_edge_index(edge_index, edge_weight, sizes, "gcn", dtype)
     return CSRGraph.from_edge_index(adj, edge_weight, sizes, normalization, dtype)
+
+
+def gcn_norm_of_edge_list(edge_index: Tensor, edge_weight: Optional[Tensor], num_nodes: int,
+                          improved: bool, add_self_loops: bool, dtype: torch.dtype
+                          ) -> Tuple[Tensor, Tensor]:
+    """PyG's ``gcn_norm`` of an edge list (``flow="source_to_target"``) with
+    no host sync, for a new graph per batch. ``gcn_norm`` drops the existing
+    self-loops (a boolean mask, which reads its count on the host) before it
+    adds one per node; here they stay, weighing 0, which adds nothing to a
+    degree or an aggregation, and each added loop weighs what ``gcn_norm``
+    gives it (an existing loop's weight, else ``2`` if ``improved`` else
+    ``1``; ``1`` without edge weights, as there)."""
+    from torch_geometric.nn.conv.gcn_conv import gcn_norm
+    if not add_self_loops:
+        return gcn_norm(edge_index, edge_weight, num_nodes, improved, False,
+                        "source_to_target", dtype)
+    src, dst = edge_index[0], edge_index[1]
+    is_loop = src == dst
+    if edge_weight is None:
+        weight = (~is_loop).to(dtype)
+        loop_weight = torch.ones(num_nodes, dtype=dtype, device=src.device)
+    else:
+        # Each existing loop's weight onto its node; every other edge into a
+        # spare slot past the last node.
+        slot = torch.where(is_loop, src, num_nodes)
+        loop_weight = edge_weight.new_full((num_nodes + 1,), 2.0 if improved else 1.0)
+        loop_weight = loop_weight.index_put((slot,), edge_weight)[:num_nodes]
+        weight = edge_weight.masked_fill(is_loop, 0)
+    nodes = torch.arange(num_nodes, dtype=edge_index.dtype, device=src.device)
+    edge_index = torch.cat([edge_index, nodes.expand(2, -1)], dim=1)
+    weight = torch.cat([weight, loop_weight])
+    src, dst = edge_index[0], edge_index[1]
+    degree = weight.new_zeros(num_nodes).index_add_(0, dst, weight)
+    scale = degree.pow_(-0.5)
+    scale.masked_fill_(scale == float("inf"), 0)
+    return edge_index, scale[src] * weight * scale[dst]
