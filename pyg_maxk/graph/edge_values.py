@@ -16,17 +16,17 @@ from .adjacency import (
     sparse_size,
 )
 from .cache import _SPARSE_STRUCTURES, _STRUCTURES, fingerprint
-from .csr import CSRGraph
+from .csr import CSRGraph, gcn_norm_of_edge_list
 
 
 def edge_structure(edge_index: Tensor, size: Tuple[int, int], gcn_self_loops: bool,
                    dtype: torch.dtype = torch.float32) -> CSRGraph:
-    """The unweighted CSR structure of an ``edge_index`` (with the self-loops
-    that PyG's ``gcn_norm`` adds when ``gcn_self_loops``), cached like
-    :meth:`CSRGraph.from_adj`'s graphs: edge values computed per call go on
-    it with :meth:`CSRGraph.with_weight`, in the order of
-    :attr:`CSRGraph.edge_order` (positions in the edge list, self-loops
-    after the edges, as ``gcn_norm`` returns them)."""
+    """The unweighted CSR structure of an ``edge_index`` (with one self-loop
+    per node after the edges when ``gcn_self_loops``, as
+    :func:`~pyg_maxk.graph.csr.gcn_norm_of_edge_list` returns them: existing
+    loops stay), cached like :meth:`CSRGraph.from_adj`'s graphs: edge values
+    computed per call go on it with :meth:`CSRGraph.with_weight`, in the
+    order of :attr:`CSRGraph.edge_order` (positions in that edge list)."""
     check_edge_index(edge_index)
     anchors, versions = fingerprint(edge_index, None)
     params = ("structure", bool(gcn_self_loops), dtype, tuple(size))
@@ -34,9 +34,9 @@ def edge_structure(edge_index: Tensor, size: Tuple[int, int], gcn_self_loops: bo
     if hit is not None:
         return hit
     edges = plain(edge_index)
-    if gcn_self_loops:
-        from torch_geometric.utils import add_remaining_self_loops
-        edges = add_remaining_self_loops(edges, None, 1.0, size[0])[0]
+    if gcn_self_loops:  # no boolean mask: no host sync on a new graph
+        nodes = torch.arange(size[0], dtype=edges.dtype, device=edges.device)
+        edges = torch.cat([edges, nodes.expand(2, -1)], dim=1)
     graph = CSRGraph.from_edge_index(edges, None, size, "sum", dtype)
     if graph.edge_order is None:
         graph.edge_order = torch.arange(graph.num_edges, device=graph.device)
@@ -58,9 +58,10 @@ def graph_with_edge_values(adj: Any, size: Optional[Tuple[Optional[int], Optiona
     learnable values play ``edge_weight``'s part).
 
     * ``"gcn"``: ``gcn_norm(edge_index, edge_weight)``'s values (self-loops
-      added after the edges), each times the mask. A mask of one entry per
-      input edge covers the non-loop edges; the loops ``gcn_norm`` adds get
-      1 (what PyG's ``explain_message`` does).
+      added after the edges; existing loops kept at weight 0, as
+      :func:`~pyg_maxk.graph.csr.gcn_norm_of_edge_list` gives them), each
+      times the mask. A mask of one entry per input edge covers the edges;
+      the loops added get 1 (what PyG's ``explain_message`` does).
     * ``"sum"``: ``edge_weight`` (or ones) times the mask.
     * ``"mean"``: the mask over the in-degree (PyG's mean counts every
       message, masked or not).
@@ -90,9 +91,8 @@ def graph_with_edge_values(adj: Any, size: Optional[Tuple[Optional[int], Optiona
         structure.operands_without_sync(k)
     num_edges = edge_index.size(1)
     if gcn:
-        from torch_geometric.nn.conv.gcn_conv import gcn_norm
-        _, values = gcn_norm(edge_index, edge_weight, sizes[0], gcn_improved,
-                             gcn_add_self_loops, "source_to_target", dtype)
+        _, values = gcn_norm_of_edge_list(edge_index, edge_weight, sizes[0], gcn_improved,
+                                          gcn_add_self_loops, dtype)
     elif edge_weight is not None and normalization == "sum":
         values = edge_weight.to(dtype)
     else:
@@ -101,9 +101,9 @@ def graph_with_edge_values(adj: Any, size: Optional[Tuple[Optional[int], Optiona
         if edge_mask.numel() != num_edges:
             raise ValueError(f"The edge mask has {edge_mask.numel()} entries for "
                              f"{num_edges} edges")
-        if values.numel() != num_edges:  # gcn_norm replaced the self-loops
-            kept = edge_mask[edge_index[0] != edge_index[1]]
-            edge_mask = torch.cat([kept, kept.new_ones(values.numel() - kept.numel())])
+        if values.numel() != num_edges:
+            # The loops added per node: 1 (the existing ones weigh 0 there).
+            edge_mask = torch.cat([edge_mask, edge_mask.new_ones(values.numel() - num_edges)])
         values = values * edge_mask.to(dtype)
     # index_select, not indexing: its backward is an index_add (a
     # permutation: one add per entry), where indexing's sorts on CUDA.
