@@ -528,22 +528,26 @@ def test_a_new_graph_makes_no_host_sync(normalization):
     assert len(sites) <= 1, sites
 
 
-@pytest.mark.parametrize("kind", ["sage", "gcn", "gin"])
-def test_a_training_step_on_a_new_graph_makes_no_host_sync(kind):
+@pytest.mark.parametrize("kind, learnable_weights", [("sage", False), ("gcn", False),
+                                                     ("gcn", True), ("gin", False)])
+def test_a_training_step_on_a_new_graph_makes_no_host_sync(kind, learnable_weights):
     # A new edge_index on every step, as mini-batches give: forward, loss,
     # backward and optimiser step with synchronising calls made errors
-    # (GCN's normalisation too, which PyG's gcn_norm does with a sync).
+    # (GCN's normalisation too, which PyG's gcn_norm does with a sync; with
+    # learnable edge weights, their values per call on the new structure).
     from pyg_maxk.nn import MaxKGCN, MaxKGIN, MaxKGraphSAGE
     torch.manual_seed(0)
     model = {"sage": MaxKGraphSAGE, "gcn": MaxKGCN, "gin": MaxKGIN}[kind](48, 64, 2, 5,
                                                                         k=8).cuda()
-    opt = torch.optim.Adam(model.parameters())
     x, y = torch.randn(300, 48, device="cuda"), torch.randint(0, 5, (300,), device="cuda")
     ei = random_edge_index(300, 300, 3000, seed=6).cuda()
+    weight = torch.nn.Parameter(torch.rand(ei.size(1), device="cuda") + 0.5)
+    opt = torch.optim.Adam([*model.parameters(), weight])
 
     def step():
         opt.zero_grad(set_to_none=True)
-        torch.nn.functional.cross_entropy(model(x, ei.clone()), y).backward()
+        out = model(x, ei.clone(), weight) if learnable_weights else model(x, ei.clone())
+        torch.nn.functional.cross_entropy(out, y).backward()
         opt.step()
 
     for _ in range(3):
