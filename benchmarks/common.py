@@ -37,12 +37,16 @@ def _elapsed_ms(fn: Callable[[], object], device: torch.device) -> float:
 
 
 def time_interleaved(fns: Dict[str, Callable[[], object]], device: torch.device, *,
-                     rounds: int = 30, per_round: int = 5, warmup: int = 10
-                     ) -> Dict[str, Dict[str, float]]:
+                     rounds: int = 30, per_round: int = 5, warmup: int = 10,
+                     in_blocks: bool = False) -> Dict[str, Dict[str, float]]:
     """Like :func:`time_ms` for several functions at once, timed round-robin
     (``per_round`` calls of each, ``rounds`` times): host-bound work drifts
     by tens of percent within a minute, and interleaving exposes every
-    function to the same drift."""
+    function to the same drift. Each call is timed to its own end (a sync
+    after each), or with ``in_blocks`` each round's ``per_round`` calls
+    together, one sync after the last (each counted as the block's mean):
+    a training loop's throughput, where the host queues the next call while
+    the GPU runs the last."""
     samples: Dict[str, List[float]] = {name: [] for name in fns}
     for fn in fns.values():
         for _ in range(warmup):
@@ -51,7 +55,11 @@ def time_interleaved(fns: Dict[str, Callable[[], object]], device: torch.device,
         torch.cuda.synchronize(device)
     for _ in range(rounds):
         for name, fn in fns.items():
-            samples[name] += [_elapsed_ms(fn, device) for _ in range(per_round)]
+            if in_blocks:
+                block = _elapsed_ms(lambda f=fn: [f() for _ in range(per_round)], device)
+                samples[name] += [block / per_round] * per_round
+            else:
+                samples[name] += [_elapsed_ms(fn, device) for _ in range(per_round)]
     return {name: {"median_ms": statistics.median(t), "min_ms": min(t), "max_ms": max(t),
                    "repeats": len(t),
                    "round_medians_ms": [statistics.median(t[i:i + per_round])

@@ -2,6 +2,7 @@
 
     python benchmarks/overhead.py            # the "numba" backend on a GPU
     python benchmarks/overhead.py --tiny     # the "cpu" backend (CI smoke run)
+    python benchmarks/overhead.py --blocks   # steps timed 5 at a time (throughput)
 
 Ops: on a tiny graph (1,000 nodes, 5,000 edges, dim 256, k=32) the device
 work is negligible, so the wall time per call is the Python + launch
@@ -14,7 +15,10 @@ cross-entropy, Adam) of SAGE, GCN and GIN on a Cora-sized graph, MaxK k=32
 against the stock ReLU model, timed round-robin: on a fixed graph (stock in
 each form: ``edge_index`` and a ``torch.sparse`` CSR ``adj_t``; the fastest
 is named) and with a new ``edge_index`` tensor every step (as mini-batches
-give; stock on ``edge_index``). On the fixed graph also the stock step in
+give; stock on ``edge_index``); each step timed to its own end (a sync
+after each: latency), or with ``--blocks`` each round's 5 steps together
+(throughput: the host queues a step while the GPU runs the last, as in a
+training loop that does not sync per step). On the fixed graph also the stock step in
 each form with PyG's ``propagate`` as the identity (no aggregation at all):
 the fastest stock step over that of its form bounds what a faster
 aggregation alone can gain there. Compiled (``torch.compile`` default mode;
@@ -94,6 +98,9 @@ def main(argv=None):
     p.add_argument("--tiny", action="store_true", help="the cpu backend on a CPU (CI)")
     p.add_argument("--rounds", type=int, default=None,
                    help="interleaved rounds of 5 steps (default: 3 with --tiny, else 30)")
+    p.add_argument("--blocks", action="store_true",
+                   help="time each round's 5 steps together, one sync after the last "
+                        "(throughput), instead of one sync per step (latency)")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
     dev = torch.device("cpu" if args.tiny else "cuda")
@@ -117,7 +124,9 @@ def main(argv=None):
         lambda: torch.sparse.mm(g.torch_csr(torch.float32), x), dev)
     print({k: v for k, v in results.items() if k.startswith("host")}, flush=True)
     results["steps"] = small_graph_steps(dev, backend, scale=0.2 if args.tiny else 1.0,
-                                         rounds=args.rounds or (3 if args.tiny else 30))
+                                         rounds=args.rounds or (3 if args.tiny else 30),
+                                         in_blocks=args.blocks)
+    results["timing"] = "blocks of 5 steps" if args.blocks else "each step"
     if not args.tiny:
         results.update(profile_reddit(dev))
     name = "overhead-tiny" if args.tiny else "overhead"
@@ -247,7 +256,8 @@ def kernel_launches(step) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def small_graph_steps(dev, backend: str, scale: float, rounds: int) -> dict:
+def small_graph_steps(dev, backend: str, scale: float, rounds: int,
+                      in_blocks: bool = False) -> dict:
     """MaxK against stock training steps on a Cora-sized graph (module docs)."""
     data = preset_dataset("cora-like", scale=scale, seed=0).to(dev)
     x, y, n = data.x, data.y, data.num_nodes
@@ -268,7 +278,8 @@ def small_graph_steps(dev, backend: str, scale: float, rounds: int) -> dict:
         for scenario in scenarios:
             with pyg_maxk.use_backend(backend):
                 steps = _scenario_steps(scenario, kind, model, x, ei, y, stock_forms)
-                times = time_interleaved(steps, dev, rounds=rounds, per_round=5, warmup=5)
+                times = time_interleaved(steps, dev, rounds=rounds, per_round=5, warmup=5,
+                                         in_blocks=in_blocks)
                 entry = {"times": times}
                 stock = {name: t["median_ms"] for name, t in times.items()
                          if name.startswith("stock")}
