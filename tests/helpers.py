@@ -233,18 +233,23 @@ def reference_sspmm(graph: CSRGraph, h: CBSR, grad_out: torch.Tensor) -> torch.T
     return torch.sparse.mm(a_t, grad_out.double()).gather(1, h.long_indices())
 
 
-def check_kernels(graph, dim, k, seed=0, rtol=1e-5, atol=1e-5, h=None):
+def check_kernels(graph, dim, k, seed=0, rtol=1e-5, atol=1e-5, h=None, reference=None,
+                  backend="numba"):
+    """The aggregation over ``graph`` and its CBSR gradient against float64,
+    over the CSR graph ``reference`` (default: ``graph``)."""
+    reference = graph if reference is None else reference
     h = random_cbsr(graph.num_src, dim, k, seed) if h is None else h
     values = h.values.clone().requires_grad_()
     poison_allocator()
-    with pyg_maxk.use_backend("numba"):
+    with pyg_maxk.use_backend(backend):
         out = pyg_maxk.aggregate(graph, h.with_values(values))
-    ref = reference_spgemm(graph, h)
+    ref = reference_spgemm(reference, h)
     torch.testing.assert_close(out.double(), ref, rtol=rtol, atol=atol)
     grad_out = torch.randn(graph.num_dst, dim).to(DEVICE)
     poison_allocator()
-    out.backward(grad_out)
-    torch.testing.assert_close(values.grad.double(), reference_sspmm(graph, h, grad_out),
+    with pyg_maxk.use_backend(backend):
+        out.backward(grad_out)
+    torch.testing.assert_close(values.grad.double(), reference_sspmm(reference, h, grad_out),
                                rtol=rtol, atol=atol)
     return out, values.grad
 

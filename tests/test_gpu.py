@@ -32,7 +32,7 @@ from helpers import (
     split_items,
 )
 from pyg_maxk import CSRGraph
-from pyg_maxk.graph import unpack
+from pyg_maxk.graph import EdgeListGraph, unpack
 from pyg_maxk.kernels import geometry
 from pyg_maxk.ops import numba_ops
 from pyg_maxk.ops._launch import PreparedLaunch
@@ -43,6 +43,13 @@ pytestmark = [pytest.mark.gpu,
 
 def power_law_graph(num_nodes=20_000, avg_degree=20, max_degree=50_000, seed=0,
                     normalization="mean", isolated=100):
+    ei = power_law_edges(num_nodes, avg_degree, max_degree, seed, isolated)
+    return CSRGraph.from_adj(ei, (num_nodes, num_nodes), normalization=normalization)
+
+
+def power_law_edges(num_nodes=20_000, avg_degree=20, max_degree=50_000, seed=0, isolated=100):
+    """A GPU edge_index sorted by target, with a ``max_degree`` row and
+    ``isolated`` nodes without edges."""
     g = torch.Generator().manual_seed(seed)
     deg = torch.distributions.LogNormal(1.5, 1.3).sample((num_nodes,)).long()
     deg = (deg * avg_degree / deg.float().mean()).long().clamp(max=max_degree)
@@ -50,8 +57,7 @@ def power_law_graph(num_nodes=20_000, avg_degree=20, max_degree=50_000, seed=0,
     deg[-isolated:] = 0          # isolated nodes
     dst = torch.repeat_interleave(torch.arange(num_nodes), deg)
     src = torch.randint(0, num_nodes, (dst.numel(),), generator=g)
-    ei = torch.stack([src, dst]).cuda()
-    return CSRGraph.from_adj(ei, (num_nodes, num_nodes), normalization=normalization)
+    return torch.stack([src, dst]).cuda()
 
 
 @pytest.mark.parametrize("dim", [64, 128, 256, 300, 512])
@@ -526,6 +532,11 @@ def test_a_new_graph_makes_no_host_sync(normalization):
     sites = _host_syncs(lambda: CSRGraph.from_adj(
         ei.clone(), (300, 300), cache=False, normalization=normalization).prepare(4))
     assert len(sites) <= 1, sites
+    # A new graph's edge list (what a layer takes for it): no sync either.
+    EdgeListGraph.from_edge_index(ei, (300, 300), normalization=normalization)
+    torch.cuda.synchronize()
+    assert _host_syncs(lambda: EdgeListGraph.from_edge_index(
+        ei.clone(), (300, 300), normalization=normalization)) == []
 
 
 @pytest.mark.parametrize("kind, learnable_weights", [("sage", False), ("gcn", False),
@@ -561,14 +572,17 @@ def test_a_training_step_on_a_new_graph_makes_no_host_sync(kind, learnable_weigh
         torch.cuda.set_sync_debug_mode(0)
 
 
-def test_an_out_of_range_edge_index_on_a_gpu_is_a_device_side_assert():
+@pytest.mark.parametrize("build", ["CSRGraph.from_adj(ei, (5, 5))",
+                                   "graph.EdgeListGraph.from_edge_index(ei, (5, 5))"])
+def test_an_out_of_range_edge_index_on_a_gpu_is_a_device_side_assert(build):
     # Checked without a host sync: the failure surfaces at the next sync
     # (a fresh process: a device-side assert ends its CUDA context).
     import subprocess
     import sys
-    code = ("import torch, pyg_maxk\n"
+    code = ("import torch\n"
+            "from pyg_maxk import CSRGraph, graph\n"
             "ei = torch.tensor([[0, 7], [1, 2]], device='cuda')\n"
-            "g = pyg_maxk.CSRGraph.from_adj(ei, (5, 5))\n"
+            f"g = {build}\n"
             "torch.cuda.synchronize()\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=300)
@@ -659,12 +673,30 @@ def test_launches_read_each_calls_tensors_whatever_changes():
     check(features(), 4, CSRGraph.from_adj(longer[:, 40:], (12, 12), normalization="mean"))
     check(features(), 3, graph)                               # another k
     check(features(dtype=torch.bfloat16), 4, graph)           # another dtype
+    for edges in (ei, edited):                                # edge lists
+        edge_list = EdgeListGraph.from_edge_index(edges, (12, 12), normalization="mean")
+        check(features(), 4, edge_list)
+        check(features(dtype=torch.bfloat16), 4, edge_list)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):                             # torch's current stream
         check(features(), 4, graph)
+        check(features(), 4, EdgeListGraph.from_edge_index(ei, (12, 12),
+                                                           normalization="mean"))
     torch.cuda.current_stream().wait_stream(side)
     if torch.cuda.device_count() > 1:                         # plans are per device
         with torch.cuda.device(1):
             check(features(device="cuda:1"), 4, CSRGraph.from_adj(
                 ei.to("cuda:1"), (12, 12), normalization="mean", cache=False))
+
+
+@pytest.mark.parametrize("normalization", ["mean", "sum", "gcn"])
+@pytest.mark.parametrize("dim,k", [(64, 16), (256, 32)])
+def test_edge_list_of_a_power_law_graph_against_float64(normalization, dim, k):
+    # The edge-list kernels' atomics on a hub of 50,000 in-edges (and its
+    # sources), in a shuffled edge list, against the CSR graph in float64.
+    ei = power_law_edges(num_nodes=20_000, avg_degree=10)
+    ei = ei[:, torch.randperm(ei.size(1), device="cuda")]
+    edge_list = EdgeListGraph.from_edge_index(ei, (20_000, 20_000), normalization=normalization)
+    csr = CSRGraph.from_adj(ei, (20_000, 20_000), normalization=normalization, cache=False)
+    check_kernels(edge_list, dim=dim, k=k, reference=csr, rtol=1e-4, atol=1e-4)

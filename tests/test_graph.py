@@ -351,3 +351,67 @@ def test_gcn_norm_of_an_edge_list_is_pygs(weighted, improved, self_loops):
     actual = gcn_norm_of_edge_list(ei, weight, n, improved, self_loops, torch.float32)
     dense = [to_dense_adj(e, edge_attr=w, max_num_nodes=n) for e, w in (expected, actual)]
     torch.testing.assert_close(dense[1], dense[0], rtol=1e-6, atol=0)
+
+
+# ------------------------------------------------------ edge-list graphs
+def _edge_list_case(normalization, weighted, seed=0):
+    from pyg_maxk.graph import EdgeListGraph
+    ei = random_edge_index(12, 12, 60, seed=seed)
+    ei = ei[:, torch.randperm(60, generator=torch.Generator().manual_seed(seed))]
+    w = torch.rand(60) + 0.1 if weighted else None
+    return (EdgeListGraph.from_edge_index(ei, (12, 12), edge_weight=w,
+                                          normalization=normalization),
+            CSRGraph.from_adj(ei, (12, 12), edge_weight=w, normalization=normalization,
+                              cache=False))
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("normalization,weighted", [("mean", False), ("mean", True),
+                                                    ("sum", True), ("gcn", False)])
+def test_an_edge_list_aggregates_as_its_csr_graph(backend, normalization, weighted):
+    # The backends besides the CUDA kernels take an edge list too (in
+    # torch's index ops), forward, backward and the fused features' gradient.
+    from helpers import check_kernels
+    graph, csr = _edge_list_case(normalization, weighted)
+    check_kernels(graph, dim=16, k=4, reference=csr, backend=backend)
+    x = torch.randn(12, 16, dtype=torch.float32)
+    results = []
+    for g in (graph, csr):
+        xg = x.clone().requires_grad_()
+        with pyg_maxk.use_backend(backend):
+            agg, h, dense = pyg_maxk.ops.maxk_aggregate(xg, 4, g, with_dense=True)
+            ((agg * agg).sum() + h.values.sum() + dense.sum()).backward()
+        results.append((agg, xg.grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b)
+    dense = torch.randn(12, 5)  # every column kept: the CSR graph's product
+    torch.testing.assert_close(pyg_maxk.aggregate(graph, dense), pyg_maxk.aggregate(csr, dense))
+
+
+def test_a_layer_takes_a_new_edge_index_as_its_edge_list_until_it_comes_back(monkeypatch):
+    # A GPU edge_index seen for the first time is aggregated as its edge
+    # list; one that keeps coming back (a fixed graph) gets its CSR graph
+    # after CSR_AFTER_HITS hits; a new or edited edge_index starts over.
+    from helpers import dense_maxk, make_pair
+    from pyg_maxk.graph import CSR_AFTER_HITS, EdgeListGraph, edge_list
+    monkeypatch.setattr(edge_list, "takes_edge_list", lambda *args: True)
+    pyg_maxk.clear_graph_cache()
+    ours, stock = make_pair("sage")
+    ours.load_state_dict(stock.state_dict())
+    x = torch.randn(12, 24)
+    ei = random_edge_index(12, 12, 50, seed=2)
+
+    def kind_and_check(edge_index):
+        graph = ours.graph_for(edge_index, x, x)
+        with pyg_maxk.use_backend("torch"):
+            torch.testing.assert_close(ours(x, edge_index),
+                                       stock(dense_maxk(x, ours.k), edge_index))
+        return type(graph)
+
+    kinds = [kind_and_check(ei) for _ in range(CSR_AFTER_HITS + 1)]
+    assert set(kinds[:CSR_AFTER_HITS // 2]) == {EdgeListGraph}
+    assert kinds[-1] is CSRGraph
+    assert kind_and_check(ei.clone()) is EdgeListGraph
+    ei[0, 0] = (ei[0, 0] + 1) % 12  # edited in place: a new graph
+    assert kind_and_check(ei) is EdgeListGraph
+    pyg_maxk.clear_graph_cache()

@@ -35,6 +35,7 @@ from helpers import (
     split_items,
 )
 from pyg_maxk import CBSR, CSRGraph
+from pyg_maxk.graph import EdgeListGraph
 from pyg_maxk.kernels import cuda_module, geometry
 from pyg_maxk.ops import numba_ops
 
@@ -763,3 +764,62 @@ def test_new_graph_csr_kernel_flags_indices_out_of_range(bad):
     assert ok.tolist() == [0]
     *_, ok = csr_of_sorted(ei[0].clamp(0, 2), ei[1].clamp(0, 2), None, 3, 3, True)
     assert ok.tolist() == [1]
+
+
+def _shuffled(ei: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    order = torch.randperm(ei.size(1), generator=torch.Generator().manual_seed(seed))
+    return ei[:, order.to(ei.device)]
+
+
+@pytest.mark.parametrize("normalization,weighted", [
+    pytest.param("mean", False, marks=smoke), ("mean", True), ("sum", False), ("sum", True),
+    ("gcn", True), ("gcn", False)])
+def test_edge_list_kernels_against_float64(normalization, weighted):
+    # A new graph's aggregation over its edge list in any order (atomics):
+    # self-loops, multi-edges, targets without edges; the same sums as the
+    # CSR graph of the edge list, forward and backward.
+    ei = _shuffled(random_edge_index(30, 30, 150, seed=4)).to(DEVICE)
+    w = (torch.rand(150) + 0.1).to(DEVICE) if weighted else None
+    poison_allocator()
+    graph = EdgeListGraph.from_edge_index(ei, (30, 30), edge_weight=w,
+                                          normalization=normalization)
+    csr = CSRGraph.from_adj(ei, (30, 30), edge_weight=w, normalization=normalization,
+                            cache=False)
+    assert (graph.row_scale is not None) == (normalization == "mean" and not weighted)
+    check_kernels(graph, dim=40, k=6, reference=csr)
+
+
+@pytest.mark.parametrize("with_dense", [False, True])
+def test_edge_list_maxk_aggregate_matches_the_csr_graph(with_dense):
+    # MaxK and the aggregation in one op, and its fused features' gradient.
+    ei = _shuffled(random_edge_index(20, 16, 90, seed=5), seed=1).to(DEVICE)
+    graphs = [EdgeListGraph.from_edge_index(ei, (20, 16), normalization="mean"),
+              CSRGraph.from_adj(ei, (20, 16), normalization="mean", cache=False)]
+    x = torch.randn(20, 24).to(DEVICE)
+    outs, grads = [], []
+    for graph in graphs:
+        xg = x.clone().requires_grad_()
+        with pyg_maxk.use_backend("numba"):
+            agg, h, dense = pyg_maxk.ops.maxk_aggregate(xg, 5, graph, with_dense=with_dense)
+            loss = (agg * torch.arange(24.0, device=DEVICE)).sum() + h.values.sum()
+            if dense is not None:
+                loss = loss + (dense * dense).sum()
+            loss.backward()
+        outs.append(agg)
+        grads.append(xg.grad)
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad", ["source", "target_high", "target_low"])
+def test_edge_list_kernel_flags_indices_out_of_range(bad):
+    from pyg_maxk.ops.numba_ops import edge_list_values
+    ei = torch.tensor([[0, 1, 2, 1], [0, 1, 1, 2]])
+    ei[(0, 2) if bad == "source" else (1, 3) if bad == "target_high" else (1, 0)] = (
+        -1 if bad == "target_low" else 3)
+    ei = ei.to(DEVICE)
+    for mean in (False, True):
+        *_, ok = edge_list_values(ei[0], ei[1], None, 3, 3, mean)
+        assert ok.tolist() == [0]
+        *_, ok = edge_list_values(ei[0].clamp(0, 2), ei[1].clamp(0, 2), None, 3, 3, mean)
+        assert ok.tolist() == [1]

@@ -19,6 +19,7 @@ in-place version counter of every tensor the graph was built from.
 from .adjacency import is_edge_index_type, is_sparse_tensor, is_torch_sparse
 from .cache import SETTLE_AFTER_HITS, clear_graph_cache
 from .csr import BOUNDED_MAX_EDGES, INT32_MAX, NORMALIZATIONS, CSRGraph
+from .edge_list import CSR_AFTER_HITS, EDGE_LIST_MAX_EDGES, EdgeListGraph, edge_list_graph
 from .edge_values import edge_structure, graph_with_edge_values
 from .operands import (
     GRAPH_FIELDS,
@@ -35,7 +36,8 @@ from .operands import (
 from .schedule import PAIRS_PER_ITEM, WorkSchedule, max_edges_per_item
 
 __all__ = [
-    "CSRGraph", "GraphOperands", "PackedGraph", "WorkSchedule", "BOUNDED_MAX_EDGES",
+    "CSRGraph", "EdgeListGraph", "GraphOperands", "PackedGraph", "WorkSchedule",
+    "BOUNDED_MAX_EDGES", "CSR_AFTER_HITS", "EDGE_LIST_MAX_EDGES", "edge_list_graph",
     "GRAPH_FIELDS", "INT32_MAX", "LAYOUT_SIZES", "NORMALIZATIONS", "PACK_ALIGN",
     "PAIRS_PER_ITEM", "SETTLE_AFTER_HITS", "clear_graph_cache", "edge_structure",
     "graph_with_edge_values", "is_edge_index_type", "is_sparse_tensor", "is_torch_sparse",

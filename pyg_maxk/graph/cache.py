@@ -73,6 +73,15 @@ class _GraphCache:
             graph.settle()
         return graph
 
+    def holds(self, anchors, versions, params) -> bool:
+        """Whether :meth:`get` would return a graph (counting no hit)."""
+        entry = self._entries.get(self._key(anchors, params))
+        return entry is not None and entry[1] == versions and all(
+            r() is a for r, a in zip(entry[0], anchors))
+
+    def drop(self, anchors, params) -> None:
+        self._entries.pop(self._key(anchors, params), None)
+
     def put(self, anchors, versions, params, graph: CSRGraph) -> None:
         # Entries whose source objects died can never hit again.
         for key in [k for k, (refs, _, _) in self._entries.items()
@@ -98,7 +107,10 @@ def clear_graph_cache() -> None:
     _CACHE.clear()
     _STRUCTURES.clear()
     _SPARSE_STRUCTURES.clear()
+    _EDGE_LISTS.clear()
 
 
 _STRUCTURES = _GraphCache()
+#: Edge-list graphs (:mod:`.edge_list`), keyed as graphs are.
+_EDGE_LISTS = _GraphCache()
 _SPARSE_STRUCTURES: Dict[Hashable, CSRGraph] = {}

@@ -16,6 +16,10 @@ class GraphOperands(NamedTuple):
 
     ``colptr``, ``row_t`` and ``weight_t`` (the graph grouped by source: the
     CPU kernels' backward) exist on CPU graphs only.
+
+    An edge list (:class:`~pyg_maxk.graph.EdgeListGraph`) has no ``rowptr``
+    and no schedule: ``col`` and ``row`` are each edge's source and target,
+    in the list's order, and ``weight`` its value in that order.
     """
     rowptr: Tensor                # [num_dst + 1]
     col: Tensor                   # [E] int32 (int64 beyond int32's range)
@@ -29,6 +33,7 @@ class GraphOperands(NamedTuple):
     colptr: Optional[Tensor]      # [num_src + 1]
     row_t: Optional[Tensor]       # [E]
     weight_t: Optional[Tensor]    # [E] or None
+    row: Optional[Tensor] = None  # [E]: each edge's target, in an edge list only
 
 
 class PackedGraph(NamedTuple):
@@ -74,6 +79,7 @@ _FIELD_LENGTHS = (
     (2, 0), (2, 0), (2, 0), (2, 0),  # the schedule's item_row, start, end, split
     (3, 0),                          # zeroed_rows
     (4, 1), (1, 0), (1, 0),          # colptr, row_t, weight_t
+    (1, 0),                          # row
 )
 _TYPE_BITS = 3
 _TYPE_MASK = (1 << _TYPE_BITS) - 1
@@ -105,7 +111,8 @@ def _layout_sizes(g: GraphOperands) -> List[int]:
     """:data:`LAYOUT_SIZES` of ``g`` (0 for the sizes of absent fields)."""
     def length(t: Optional[Tensor], minus: int = 0) -> int:
         return 0 if t is None else t.numel() - minus
-    return [g.rowptr.numel() - 1, g.col.numel(), length(g.item_row), length(g.zeroed_rows),
+    num_dst = length(g.rowptr, 1) if g.rowptr is not None else length(g.row_scale)
+    return [num_dst, g.col.numel(), length(g.item_row), length(g.zeroed_rows),
             length(g.colptr, 1)]
 
 

@@ -14,12 +14,17 @@ from torch_geometric.typing import Size
 from ..cbsr import CBSR
 from ..graph import (
     CSRGraph,
+    EdgeListGraph,
+    edge_list_graph,
     graph_with_edge_values,
     is_edge_index_type,
     is_sparse_tensor,
     is_torch_sparse,
 )
 from ..ops import _check_features, aggregate, check_k, maxk, maxk_aggregate, to_dense
+
+#: What a layer aggregates over (:meth:`MaxKConv.graph_for`).
+Graph = Union[CSRGraph, EdgeListGraph]
 
 Features = Union[Tensor, CBSR]
 PairFeatures = Tuple[Features, Optional[Features]]
@@ -53,11 +58,15 @@ def _outside_compiled_graph(reason: str) -> Callable:
     "pyg_maxk resolves a raw adjacency (edge_index, SparseTensor, torch.sparse) in its graph "
     "cache outside the compiled graph: for fullgraph=True pass a prepared graph instead, "
     "pyg_maxk.ToCSRGraph(normalization, k) or CSRGraph.from_adj(...).prepare(k)")
-def _cached_graph(adj: Any, sizes: Tuple[int, int], k: Optional[int], **kwargs) -> CSRGraph:
+def _cached_graph(adj: Any, sizes: Tuple[int, int], k: Optional[int], **kwargs) -> Graph:
     # Cache lookups key on object identity and version counters, and a new
     # graph's build has data-dependent sizes: both run outside any compiled
     # graph. The graph's tensors then enter the compiled code as inputs, so a
     # new or edited adjacency is never replayed stale.
+    if k is not None:
+        edge_list = edge_list_graph(adj, sizes, **kwargs)
+        if edge_list is not None:
+            return edge_list
     graph = CSRGraph.from_adj(adj, sizes, **kwargs)
     if k is not None:
         graph.operands_without_sync(k)  # built here, not in the compiled graph
@@ -146,7 +155,7 @@ class MaxKConv(MessagePassing):
             return x
         return maxk(x, self.k, dropout=self.dropout, training=self.training)
 
-    def sparsify_and_aggregate(self, graph: CSRGraph, x: Features, *,
+    def sparsify_and_aggregate(self, graph: Graph, x: Features, *,
                                with_dense: bool = False) -> Tuple[Tensor, CBSR, Optional[Tensor]]:
         """``(graph @ h, h, dense h or None)`` for ``h`` the MaxK of ``x``:
         one op (:func:`pyg_maxk.ops.maxk_aggregate`, one autograd node) unless
@@ -157,7 +166,7 @@ class MaxKConv(MessagePassing):
         return maxk_aggregate(x, self.k, graph, with_dense=with_dense)
 
     @staticmethod
-    def aggregate_sparse(graph: CSRGraph, h: CBSR) -> Tensor:
+    def aggregate_sparse(graph: Graph, h: CBSR) -> Tensor:
         """``graph @ h`` as a dense ``[num_dst, channels]`` tensor."""
         return aggregate(graph, h)
 
@@ -180,7 +189,7 @@ class MaxKConv(MessagePassing):
                      size: Optional[Tuple[Optional[int], Optional[int]]]) -> Tuple[int, int]:
         """``(num_src, num_dst)`` as :class:`MessagePassing` infers it,
         raising on any disagreement between ``adj``, ``size`` and ``x``."""
-        if isinstance(adj, CSRGraph):
+        if isinstance(adj, (CSRGraph, EdgeListGraph)):
             sizes = [adj.num_src, adj.num_dst]
         elif is_sparse_tensor(adj) or is_torch_sparse(adj):
             sizes = [int(adj.size(1)), int(adj.size(0))]
@@ -215,9 +224,12 @@ class MaxKConv(MessagePassing):
 
     def graph_for(self, adj: Any, x_src: Features, x_dst: Optional[Features] = None,
                   size: Size = None, *,
-                  edge_weight: Optional[Tensor] = None) -> CSRGraph:
-        """The :class:`CSRGraph` of ``adj`` for this layer, with its operands
-        for this layer's ``k`` built.
+                  edge_weight: Optional[Tensor] = None) -> Graph:
+        """The graph of ``adj`` for this layer, with its operands for this
+        layer's ``k`` built: a :class:`CSRGraph`, or for a GPU
+        ``edge_index`` not seen before an
+        :class:`~pyg_maxk.graph.EdgeListGraph` (no sort, no schedule:
+        what a new graph per batch should cost).
 
         A :class:`CSRGraph` (prepared outside the model, e.g. by
         :class:`~pyg_maxk.transforms.ToCSRGraph`) is checked and used as is:
@@ -236,7 +248,7 @@ class MaxKConv(MessagePassing):
         mask = self.explain_edge_mask()
         dtype = torch.float64 if x_src.dtype == torch.float64 else torch.float32
         if mask is not None or _learnable(edge_weight) or _learnable_values(adj, options):
-            if isinstance(adj, CSRGraph):
+            if isinstance(adj, (CSRGraph, EdgeListGraph)):
                 raise NotImplementedError(
                     f"{self.__class__.__name__} applies an explain edge mask or learnable "
                     f"edge weights to an edge_index or sparse adjacency, not to a prepared "
@@ -248,7 +260,7 @@ class MaxKConv(MessagePassing):
                                            options.get("gcn_add_self_loops", True), dtype,
                                            _kept(x_src, self.k),
                                            getattr(self, "_loop_mask", None))
-        if isinstance(adj, CSRGraph):
+        if isinstance(adj, (CSRGraph, EdgeListGraph)):
             self._check_prepared(adj, normalization, edge_weight, options)
             k = _kept(x_src, self.k)
             return adj if k is None or adj.has_operands(k) else _prepare(adj, k)

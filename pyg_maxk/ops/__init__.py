@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ..cbsr import CBSR, index_dtype_for
 from ..dispatch import get_backend
-from ..graph import CSRGraph
+from ..graph import CSRGraph, EdgeListGraph
 from . import _library as lib
 from ._common import aggregation_dtype, as_dtype, dtype_of
 
@@ -85,12 +85,12 @@ def to_dense(h: CBSR) -> Tensor:
     return lib.cbsr_to_dense(h.values, h.indices, h.dim, get_backend())
 
 
-def aggregate(graph: CSRGraph, h: Union[CBSR, Tensor]) -> Tensor:
+def aggregate(graph: Union[CSRGraph, EdgeListGraph], h: Union[CBSR, Tensor]) -> Tensor:
     r"""The sparse product :math:`\mathbf{A} \mathbf{H}`: row ``i`` of the
     result is :math:`\sum_{e = (j \rightarrow i)} a_e \mathbf{h}_j`.
 
     Args:
-        graph (CSRGraph): ``[num_dst, num_src]`` adjacency.
+        graph (CSRGraph or EdgeListGraph): ``[num_dst, num_src]`` adjacency.
         h (CBSR or torch.Tensor): ``[num_src, dim]`` source features.
 
     Returns:
@@ -108,6 +108,8 @@ def aggregate(graph: CSRGraph, h: Union[CBSR, Tensor]) -> Tensor:
                          f"{graph.device}; move both to the same device")
     if isinstance(h, Tensor) or h.is_full:
         dense = h if isinstance(h, Tensor) else to_dense(h)
+        if isinstance(graph, EdgeListGraph):
+            graph = graph.csr()
         weight = graph.weight
         if weight is not None and graph.row_scale is not None:
             # A mean: the result keeps the features' type (aggregation_dtype).
@@ -117,8 +119,8 @@ def aggregate(graph: CSRGraph, h: Union[CBSR, Tensor]) -> Tensor:
                       get_backend())
 
 
-def maxk_aggregate(x: Tensor, k: int, graph: CSRGraph, *, with_dense: bool = False
-                   ) -> Tuple[Tensor, CBSR, Optional[Tensor]]:
+def maxk_aggregate(x: Tensor, k: int, graph: Union[CSRGraph, EdgeListGraph], *,
+                   with_dense: bool = False) -> Tuple[Tensor, CBSR, Optional[Tensor]]:
     r"""``h = maxk(x, k)`` and ``aggregate(graph, h)`` in one op, with one
     autograd node and one backward: what a MaxK conv's input step costs on
     a small graph, where each node's host time counts.
@@ -126,7 +128,7 @@ def maxk_aggregate(x: Tensor, k: int, graph: CSRGraph, *, with_dense: bool = Fal
     Args:
         x (torch.Tensor): ``[num_src, dim]`` features.
         k (int): entries kept per row.
-        graph (CSRGraph): ``[num_dst, num_src]`` adjacency.
+        graph (CSRGraph or EdgeListGraph): ``[num_dst, num_src]`` adjacency.
         with_dense (bool): also return ``h``'s dense form.
 
     Returns:

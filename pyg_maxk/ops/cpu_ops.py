@@ -14,6 +14,7 @@ from torch import Tensor
 from ..cbsr import index_dtype_for
 from ..graph import GraphOperands
 from ..kernels import cpu as kernels
+from . import torch_ops
 from ._common import as_dtype, spgemm_dtype
 from .torch_ops import column_sums  # noqa: F401 (the densify backend's bias gradient)
 
@@ -60,6 +61,8 @@ def spgemm(g: GraphOperands, values: Tensor, indices: Tensor, num_dst: int,
            dim: int) -> Tensor:
     """``A @ h`` as ``[num_dst, dim]`` for the CBSR ``h = (values, indices)``:
     one thread per output row."""
+    if g.row is not None:  # an edge list (built for GPUs): the reference
+        return torch_ops.spgemm(g, values, indices, num_dst, dim)
     out = values.new_empty(num_dst, dim)                              # [num_dst, dim]
     weight, weighted = _weight(g.weight, values.dtype, values)
     kernels.spgemm_rows(g.rowptr.numpy(), g.col.numpy(), weight, weighted,
@@ -71,6 +74,8 @@ def spgemm(g: GraphOperands, values: Tensor, indices: Tensor, num_dst: int,
 def sspmm(g: GraphOperands, indices: Tensor, grad_out: Tensor, num_src: int) -> Tensor:
     """The gradient ``[num_src, k]`` of :func:`spgemm` w.r.t. the CBSR values,
     one thread per source row of the transposed graph (no atomics)."""
+    if g.row is not None:
+        return torch_ops.sspmm(g, indices, grad_out, num_src)
     grad_values = grad_out.new_empty(num_src, indices.size(1))        # [num_src, k]
     weight, weighted = _weight(g.weight_t, grad_out.dtype, grad_out)
     kernels.sspmm_rows(g.colptr.numpy(), g.row_t.numpy(), weight, weighted,
@@ -88,6 +93,15 @@ def maxk_input_grad(g: GraphOperands, indices: Tensor, grad_agg: Optional[Tensor
     dense form (``[num_src, dim]``), each None when absent; all of
     ``dtype``. :func:`sspmm`, the sum and :func:`cbsr_to_dense` in one
     kernel (``kernels.input_grad_rows``)."""
+    if g.row is not None:
+        grad = torch.zeros(indices.shape, dtype=dtype)
+        if grad_agg is not None:
+            grad += torch_ops.sspmm(g, indices, grad_agg, indices.size(0))
+        if grad_values is not None:
+            grad += grad_values
+        if grad_dense is not None:
+            grad += gather_at(grad_dense, indices)
+        return cbsr_to_dense(grad, indices, dim)
     grad_x = torch.empty(indices.size(0), dim, dtype=dtype)           # [num_src, dim]
     if grad_x.numel() == 0:
         return grad_x
@@ -105,6 +119,8 @@ def maxk_input_grad(g: GraphOperands, indices: Tensor, grad_agg: Optional[Tensor
 def sddmm(g: GraphOperands, values: Tensor, indices: Tensor, grad_out: Tensor) -> Tensor:
     """The gradient ``[E]`` of :func:`spgemm` w.r.t. the edge values (in CSR
     order), one thread per output row."""
+    if g.row is not None:
+        return torch_ops.sddmm(g, values, indices, grad_out)
     grad_weight = grad_out.new_empty(g.col.numel())                   # [E]
     kernels.sddmm_rows(g.rowptr.numpy(), g.col.numpy(), values.detach().contiguous().numpy(),
                        indices.contiguous().numpy(), grad_out.detach().contiguous().numpy(),

@@ -33,6 +33,12 @@ from ..kernels._half import stores_pairs
 from ..kernels._vector import PACKED_HALF_SLOTS
 from ..kernels._warp import WARP
 from ..kernels.build import csr_of_sorted_kernel, row_pieces_kernel, work_items_kernel
+from ..kernels.edge_list import (
+    edge_list_check_kernel,
+    edge_list_scale_kernel,
+    edge_list_spgemm_kernel,
+    edge_list_sspmm_kernel,
+)
 from ..kernels.linear import (
     column_sum_kernel,
     column_sum_slices,
@@ -336,6 +342,90 @@ def csr_of_sorted(src: Tensor, dst: Tensor, value: Optional[Tensor], num_src: in
     return rowptr, col, weight, row_scale, ok
 
 
+def edge_list_values(src: Tensor, dst: Tensor, value: Optional[Tensor], num_src: int,
+                     num_dst: int, mean: bool
+                     ) -> Tuple[Optional[Tensor], Optional[Tensor], Tensor]:
+    """``(weight, row_scale, ok)`` of the edge list ``src -> dst`` (any
+    order), as :func:`csr_of_sorted` gives them in the list's order: float32
+    edge values (``value``, divided by each target's in-degree with
+    ``mean``; None without either), the mean's row scale where it has no
+    ``value``, and ``ok``, a one-entry flag that is 0 where an index was out
+    of range; two launches without ``mean``, four with. No host sync."""
+    device = dst.device
+    num_edges = dst.numel()
+    ok = torch.ones(1, dtype=torch.uint8, device=device)
+    degree = torch.zeros(num_dst if mean else 1, dtype=torch.int32, device=device)
+    run = launcher()
+    threads = geometry.block_threads()
+    if num_edges > 0:
+        blocks = min(-(-num_edges // threads), run.max_blocks(device, threads))
+        run(edge_list_check_kernel(mean), blocks, threads, device, src, dst, num_src, num_dst,
+            num_edges, degree, ok)
+    if not mean:
+        weight = None if value is None else value.detach().to(KERNEL_DTYPE).contiguous()
+        return weight, None, ok
+    weight = torch.empty(num_edges, dtype=KERNEL_DTYPE, device=device)
+    row_scale = (torch.empty(num_dst, dtype=KERNEL_DTYPE, device=device) if value is None
+                 else None)
+    work = max(num_edges, num_dst)
+    if work > 0:
+        blocks = min(-(-work // threads), run.max_blocks(device, threads))
+        source = weight if value is None else value.detach().to(KERNEL_DTYPE).contiguous()
+        run(edge_list_scale_kernel(value is not None), blocks, threads, device, dst, source,
+            degree, num_dst, num_edges, weight, _or_unread(row_scale, _stand_in(device)))
+    return weight, row_scale, ok
+
+
+def _stand_in(device: torch.device) -> Tensor:
+    """An argument a kernel was compiled not to read, apart from every array
+    it writes (Numba's simulator copies each argument back after a launch,
+    so an alias of an output would overwrite it)."""
+    return torch.empty(1, dtype=KERNEL_DTYPE, device=device)
+
+
+def _edge_list_spgemm(g: GraphOperands, values: Tensor, indices: Tensor, num_dst: int,
+                      dim: int) -> Tensor:
+    """:func:`spgemm` over an edge list (``g.row`` set, no schedule): a
+    zero-fill and one launch of float32 atomics, the result cast to its
+    type afterwards."""
+    weight, row_scale = kernel_weights(g)
+    out = torch.zeros(num_dst, dim, dtype=KERNEL_DTYPE, device=values.device)
+    k = values.size(1)
+    slots = g.col.numel() * k
+    if slots > 0:
+        run = launcher()
+        threads = geometry.block_threads()
+        blocks = min(-(-slots // threads), run.max_blocks(values.device, threads))
+        kernel = edge_list_spgemm_kernel(k, weight is not None, row_scale is not None)
+        flat_out, unread = out.view(-1), _stand_in(values.device)
+        run(kernel, blocks, threads, values.device, g.col, g.row, _or_unread(weight, unread),
+            _or_unread(row_scale, unread), as_dtype(values, KERNEL_DTYPE).contiguous().view(-1),
+            indices.contiguous().view(-1), flat_out, dim, slots)
+    return as_dtype(out, spgemm_dtype(values, g))
+
+
+def _edge_list_sspmm(g: GraphOperands, indices: Tensor, grad_out: Tensor,
+                     num_src: int) -> Tensor:
+    """:func:`sspmm` over an edge list: a zero-fill and one launch of
+    float32 atomics."""
+    weight, row_scale = kernel_weights(g)
+    k = indices.size(1)
+    grad_values = torch.zeros(num_src, k, dtype=KERNEL_DTYPE, device=grad_out.device)
+    slots = g.col.numel() * k
+    if slots > 0:
+        run = launcher()
+        threads = geometry.block_threads()
+        blocks = min(-(-slots // threads), run.max_blocks(grad_out.device, threads))
+        kernel = edge_list_sspmm_kernel(k, weight is not None, row_scale is not None)
+        flat_grad, unread = grad_values.view(-1), _stand_in(grad_out.device)
+        run(kernel, blocks, threads, grad_out.device, g.col, g.row,
+            _or_unread(weight, unread), _or_unread(row_scale, unread),
+            indices.contiguous().view(-1),
+            as_dtype(grad_out, KERNEL_DTYPE).contiguous().view(-1), flat_grad,
+            grad_out.size(1), slots)
+    return as_dtype(grad_values, grad_out.dtype)
+
+
 def bounded_work_items(rowptr: Tensor, num_items: int, num_zeroed: int,
                        max_edges: int) -> Tuple[Tensor, Tensor]:
     """``(items [4, num_items] int32, zeroed_rows [num_zeroed] int64)`` of
@@ -459,6 +549,8 @@ def spgemm(g: GraphOperands, values: Tensor, indices: Tensor, num_dst: int,
     with a per-row scale (a mean without edge values) is aggregated
     unweighted and scaled once per output row. A half-precision result is
     written as such, each float32 sum rounded once."""
+    if g.row is not None:
+        return _edge_list_spgemm(g, values, indices, num_dst, dim)
     weight, row_scale = kernel_weights(g)
     out_dtype = spgemm_dtype(values, g)
     out_half = half_kind(out_dtype)
@@ -536,6 +628,8 @@ def sspmm(g: GraphOperands, indices: Tensor, grad_out: Tensor, num_src: int) -> 
     :func:`spgemm` w.r.t. the CBSR values: ``grad_out`` sampled through the
     transposed graph at the CBSR pattern, per-edge float32 reductions, or
     packed half-precision ones where :func:`_reduces_in_half`."""
+    if g.row is not None:
+        return _edge_list_sspmm(g, indices, grad_out, num_src)
     k = indices.size(1)
     weight, row_scale = kernel_weights(g)
     packed = _reduces_in_half(grad_out, indices)
@@ -592,6 +686,9 @@ def sddmm(g: GraphOperands, values: Tensor, indices: Tensor, grad_out: Tensor) -
     edge values: per edge, the dot product of the source's CBSR row with
     ``grad_out``'s target row at its columns (a group of lanes per edge,
     reading slots as the backward does)."""
+    if g.row is not None:  # an edge list: the reference, in its order
+        from . import torch_ops
+        return torch_ops.sddmm(g, values, indices, grad_out).to(KERNEL_DTYPE)
     k = indices.size(1)
     dim = grad_out.size(1)
     check_cbsr_offsets(values.size(0), k, 0)

@@ -72,16 +72,38 @@ def spmm(rowptr: Tensor, col: Tensor, weight: Optional[Tensor], dense: Tensor, n
         return torch.sparse.mm(adj, dense.to(dtype)).to(out_dtype)
 
 
+def edge_list_spmm(src: Tensor, dst: Tensor, weight: Optional[Tensor], dense: Tensor,
+                   num_out: int) -> Tensor:
+    """``out[dst[e]] += weight[e] * dense[src[e]]`` over an edge list in any
+    order (``[num_out, d]``), in :func:`spmm`'s dtype: the same product as
+    :func:`spmm`, or with ``src`` and ``dst`` swapped its transpose."""
+    out_dtype = aggregation_dtype(dense.dtype, dtype_of(weight), None)
+    dtype = torch.float32 if out_dtype in (torch.float16, torch.bfloat16) else out_dtype
+    with autocast_disabled(dense.device.type):
+        messages = dense.to(dtype).index_select(0, src.long())
+        if weight is not None:
+            messages = messages * weight.to(dtype).unsqueeze(1)
+        out = messages.new_zeros(num_out, dense.size(1))
+        return out.index_add_(0, dst.long(), messages).to(out_dtype)
+
+
 def spgemm(g: GraphOperands, values: Tensor, indices: Tensor, num_dst: int,
            dim: int) -> Tensor:
     """``A @ dense(h)``."""
+    if g.row is not None:  # an edge list
+        return edge_list_spmm(g.col, g.row, g.weight, cbsr_to_dense(values, indices, dim),
+                              num_dst).to(spgemm_dtype(values, g))
     return spmm(g.rowptr, g.col, g.weight, cbsr_to_dense(values, indices, dim),
                 values.size(0), False).to(spgemm_dtype(values, g))
 
 
 def sspmm(g: GraphOperands, indices: Tensor, grad_out: Tensor, num_src: int) -> Tensor:
     """``(A^T @ grad_out)`` sampled at the CBSR pattern, in ``grad_out``'s dtype."""
-    grad = spmm(g.rowptr, g.col, g.weight, grad_out, num_src, True).gather(1, indices.long())
+    if g.row is not None:  # an edge list
+        grad = edge_list_spmm(g.row, g.col, g.weight, grad_out, num_src)
+    else:
+        grad = spmm(g.rowptr, g.col, g.weight, grad_out, num_src, True)
+    grad = grad.gather(1, indices.long())
     return grad.to(grad_out.dtype)
 
 
@@ -96,11 +118,15 @@ def sddmm(g: GraphOperands, values: Tensor, indices: Tensor, grad_out: Tensor) -
     order): for ``e = (c -> r)``, ``sum_j values[c, j] * grad_out[r, indices[c, j]]``,
     accumulated in float32 at least, over chunks of edges of bounded memory
     (:data:`SDDMM_CHUNK_ENTRIES`)."""
-    num_dst = g.rowptr.numel() - 1
     dtype = torch.promote_types(values.dtype, torch.float32)
     num_edges = g.col.numel()
-    row = torch.repeat_interleave(torch.arange(num_dst, device=grad_out.device),
-                                  (g.rowptr[1:] - g.rowptr[:-1]).long(), output_size=num_edges)
+    if g.row is not None:  # an edge list, in its order
+        row = g.row.long()
+    else:
+        num_dst = g.rowptr.numel() - 1
+        row = torch.repeat_interleave(torch.arange(num_dst, device=grad_out.device),
+                                      (g.rowptr[1:] - g.rowptr[:-1]).long(),
+                                      output_size=num_edges)
     col = g.col.long()
     grad_out = grad_out.to(dtype)
     out = torch.empty(num_edges, dtype=dtype, device=grad_out.device)
