@@ -77,19 +77,31 @@ def edge_list_scale_kernel(has_value: bool):
 
 
 @functools.lru_cache(maxsize=None)
+def _edge_slot(k: int):
+    """``slot_of(src, dst, t) -> (e, target, at)``: thread ``t``'s edge, its
+    target and the flat CBSR slot of its source that it takes (slot ``t mod
+    k`` of edge ``t // k``)."""
+    @cuda.jit(device=True, inline=True)
+    def slot_of(src, dst, t):
+        e = t // k
+        return e, int64(dst[e]), int64(src[e]) * k + (t - e * k)
+
+    return slot_of
+
+
+@functools.lru_cache(maxsize=None)
 def edge_list_spgemm_kernel(k: int, weighted: bool, scaled: bool):
     """``out[dst[e], indices[src[e], j]] += a_e * values[src[e], j]`` for
     every edge ``e`` and slot ``j < k`` (``values``, ``indices``, ``out``
     flat; ``out`` float32 ``[num_dst * dim]``)."""
+    slot_of = _edge_slot(k)
+
     @kernel_jit()
     def edge_list_spgemm(src, dst, weight, row_scale, values, indices, out, dim, slots):
         t = int64(cuda.grid(1))
         stride = int64(cuda.gridsize(1))
         while t < slots:
-            e = t // k
-            source = int64(src[e])
-            target = int64(dst[e])
-            at = source * k + (t - e * k)
+            e, target, at = slot_of(src, dst, t)
             v = float32(values[at])
             if weighted:
                 v *= weight[e]
@@ -106,16 +118,15 @@ def edge_list_sspmm_kernel(k: int, weighted: bool, scaled: bool):
     """``grad_values[src[e], j] += a_e * grad_out[dst[e], indices[src[e],
     j]]`` for every edge ``e`` and slot ``j < k`` (flat arrays;
     ``grad_values`` float32 ``[num_src * k]``)."""
+    slot_of = _edge_slot(k)
+
     @kernel_jit()
     def edge_list_sspmm(src, dst, weight, row_scale, indices, grad_out, grad_values, dim,
                         slots):
         t = int64(cuda.grid(1))
         stride = int64(cuda.gridsize(1))
         while t < slots:
-            e = t // k
-            source = int64(src[e])
-            target = int64(dst[e])
-            at = source * k + (t - e * k)
+            e, target, at = slot_of(src, dst, t)
             g = float32(grad_out[target * dim + int64(indices[at])])
             if weighted:
                 g *= weight[e]

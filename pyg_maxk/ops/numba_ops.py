@@ -354,11 +354,10 @@ def edge_list_values(src: Tensor, dst: Tensor, value: Optional[Tensor], num_src:
     device = dst.device
     num_edges = dst.numel()
     ok = torch.ones(1, dtype=torch.uint8, device=device)
-    degree = torch.zeros(num_dst if mean else 1, dtype=torch.int32, device=device)
-    run = launcher()
-    threads = geometry.block_threads()
+    degree = (torch.zeros(num_dst, dtype=torch.int32, device=device) if mean
+              else torch.empty(1, dtype=torch.int32, device=device))
     if num_edges > 0:
-        blocks = min(-(-num_edges // threads), run.max_blocks(device, threads))
+        run, threads, blocks = _flat_launch(num_edges, device)
         run(edge_list_check_kernel(mean), blocks, threads, device, src, dst, num_src, num_dst,
             num_edges, degree, ok)
     if not mean:
@@ -369,11 +368,19 @@ def edge_list_values(src: Tensor, dst: Tensor, value: Optional[Tensor], num_src:
                  else None)
     work = max(num_edges, num_dst)
     if work > 0:
-        blocks = min(-(-work // threads), run.max_blocks(device, threads))
+        run, threads, blocks = _flat_launch(work, device)
         source = weight if value is None else value.detach().to(KERNEL_DTYPE).contiguous()
         run(edge_list_scale_kernel(value is not None), blocks, threads, device, dst, source,
             degree, num_dst, num_edges, weight, _or_unread(row_scale, _stand_in(device)))
     return weight, row_scale, ok
+
+
+def _flat_launch(work: int, device: torch.device):
+    """(launcher, threads, blocks) for a grid-stride kernel of ``work``
+    threads' worth of work."""
+    run = launcher()
+    threads = geometry.block_threads()
+    return run, threads, min(-(-work // threads), run.max_blocks(device, threads))
 
 
 def _stand_in(device: torch.device) -> Tensor:
@@ -393,9 +400,7 @@ def _edge_list_spgemm(g: GraphOperands, values: Tensor, indices: Tensor, num_dst
     k = values.size(1)
     slots = g.col.numel() * k
     if slots > 0:
-        run = launcher()
-        threads = geometry.block_threads()
-        blocks = min(-(-slots // threads), run.max_blocks(values.device, threads))
+        run, threads, blocks = _flat_launch(slots, values.device)
         kernel = edge_list_spgemm_kernel(k, weight is not None, row_scale is not None)
         flat_out, unread = out.view(-1), _stand_in(values.device)
         run(kernel, blocks, threads, values.device, g.col, g.row, _or_unread(weight, unread),
@@ -413,9 +418,7 @@ def _edge_list_sspmm(g: GraphOperands, indices: Tensor, grad_out: Tensor,
     grad_values = torch.zeros(num_src, k, dtype=KERNEL_DTYPE, device=grad_out.device)
     slots = g.col.numel() * k
     if slots > 0:
-        run = launcher()
-        threads = geometry.block_threads()
-        blocks = min(-(-slots // threads), run.max_blocks(grad_out.device, threads))
+        run, threads, blocks = _flat_launch(slots, grad_out.device)
         kernel = edge_list_sspmm_kernel(k, weight is not None, row_scale is not None)
         flat_grad, unread = grad_values.view(-1), _stand_in(grad_out.device)
         run(kernel, blocks, threads, grad_out.device, g.col, g.row,
