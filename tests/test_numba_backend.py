@@ -823,3 +823,18 @@ def test_edge_list_kernel_flags_indices_out_of_range(bad):
         assert ok.tolist() == [0]
         *_, ok = edge_list_values(ei[0].clamp(0, 2), ei[1].clamp(0, 2), None, 3, 3, mean)
         assert ok.tolist() == [1]
+
+
+@pytest.mark.parametrize("kind,form", [("sage", "edge_index"), ("gcn", "EdgeIndex"),
+                                       pytest.param("gin", "edge_index", marks=smoke)])
+def test_layer_contract_numba_on_an_edge_list(monkeypatch, linear_kernel_everywhere, kind, form):
+    # The convs over the edge list a layer takes for a new GPU edge_index
+    # (here on any device), against the stock convs.
+    from pyg_maxk.graph import edge_list
+    monkeypatch.setattr(edge_list, "takes_edge_list", lambda *args: True)
+    ei = _shuffled(random_edge_index(14, 14, 50, seed=3)).to(DEVICE)
+    adj = adjacency(form, ei, (14, 14))
+    ours, stock = make_pair(kind)
+    x = torch.randn(14, 24).to(DEVICE)
+    assert isinstance(ours.to(DEVICE).graph_for(adj, x, x), EdgeListGraph)
+    assert_same_as_stock(ours.to(DEVICE), stock.to(DEVICE), x, (adj,), 5, backend="numba")

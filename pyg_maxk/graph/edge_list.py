@@ -160,7 +160,8 @@ def takes_edge_list(adj: Any, edge_weight: Optional[Tensor], dtype: torch.dtype)
         return False
     if edge_weight is not None and edge_weight.requires_grad and torch.is_grad_enabled():
         return False
-    return choose("aggregate", adj.new_empty(0, dtype=dtype), dim=32, k=8) == "numba"
+    like = torch.empty(0, dtype=dtype, device=adj.device)  # (an EdgeIndex takes no float)
+    return choose("aggregate", like, dim=32, k=8) == "numba"
 
 
 def edge_list_graph(adj: Any, size: Tuple[int, int], *, edge_weight: Optional[Tensor] = None,
