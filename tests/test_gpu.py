@@ -539,14 +539,19 @@ def test_a_new_graph_makes_no_host_sync(normalization):
         ei.clone(), (300, 300), normalization=normalization)) == []
 
 
-@pytest.mark.parametrize("kind, learnable_weights", [("sage", False), ("gcn", False),
-                                                     ("gcn", True), ("gin", False)])
-def test_a_training_step_on_a_new_graph_makes_no_host_sync(kind, learnable_weights):
+@pytest.mark.parametrize("kind, learnable_weights, edge_lists", [
+    ("sage", False, False), ("gcn", False, False), ("gcn", True, False), ("gin", False, False),
+    ("sage", False, True), ("gcn", False, True), ("gin", False, True)])
+def test_a_training_step_on_a_new_graph_makes_no_host_sync(monkeypatch, kind,
+                                                           learnable_weights, edge_lists):
     # A new edge_index on every step, as mini-batches give: forward, loss,
     # backward and optimiser step with synchronising calls made errors
     # (GCN's normalisation too, which PyG's gcn_norm does with a sync; with
-    # learnable edge weights, their values per call on the new structure).
+    # learnable edge weights, their values per call on the new structure),
+    # over the new graph's CSR or its edge list.
+    from pyg_maxk.graph import edge_list
     from pyg_maxk.nn import MaxKGCN, MaxKGIN, MaxKGraphSAGE
+    monkeypatch.setattr(edge_list, "LAYERS_TAKE_EDGE_LISTS", edge_lists)
     torch.manual_seed(0)
     model = {"sage": MaxKGraphSAGE, "gcn": MaxKGCN, "gin": MaxKGIN}[kind](48, 64, 2, 5,
                                                                         k=8).cuda()

@@ -1,6 +1,7 @@
 """A graph aggregated as its edge list (:class:`EdgeListGraph`): what a layer
-uses for a GPU ``edge_index`` it has not seen before, such as a new
-mini-batch's, instead of sorting it into a :class:`CSRGraph`.
+uses (with :data:`LAYERS_TAKE_EDGE_LISTS`) for a GPU ``edge_index`` it has
+not seen before, such as a new mini-batch's, instead of sorting it into a
+:class:`CSRGraph`.
 
 A CSR graph's build (a sort by target, the row pointers, the work schedule,
 the packing) takes tens of launches, which a fixed graph pays once and a new
@@ -27,6 +28,11 @@ from .schedule import numba_builds
 #: Edges up to which a new GPU ``edge_index`` is aggregated as its edge list
 #: (beyond, its atomics cost more device time than the CSR build saves).
 EDGE_LIST_MAX_EDGES = 1 << 20
+#: Whether layers take a new GPU ``edge_index`` as its edge list at all. Off:
+#: the edge-list kernels pass their tests in Numba's simulator but have not
+#: yet run the GPU suite, which decides this switch (the layers then build
+#: the CSR of every new graph, as :meth:`CSRGraph.from_adj` does).
+LAYERS_TAKE_EDGE_LISTS = False
 #: Cache hits after which an ``edge_index`` is taken for a fixed graph and
 #: built as a :class:`CSRGraph`. A model resolves its graph once per forward
 #: (a hit per step), a stack of convs once per conv: a new graph per batch
@@ -147,11 +153,14 @@ class EdgeListGraph:
 
 
 def takes_edge_list(adj: Any, edge_weight: Optional[Tensor], dtype: torch.dtype) -> bool:
-    """Whether :func:`edge_list_graph` serves ``adj``: a GPU ``edge_index``
+    """Whether :func:`edge_list_graph` serves ``adj`` (with
+    :data:`LAYERS_TAKE_EDGE_LISTS`): a GPU ``edge_index``
     (not a sparse adjacency) of at most :data:`EDGE_LIST_MAX_EDGES` edges,
     float32 edge values, no edge weights that need a gradient, and the Numba
     kernels to aggregate it."""
     from ..dispatch import choose
+    if not LAYERS_TAKE_EDGE_LISTS:
+        return False
     if not isinstance(adj, Tensor) or is_sparse_tensor(adj) or is_torch_sparse(adj):
         return False
     if not adj.is_cuda or dtype != torch.float32 or adj.dim() != 2:
