@@ -649,8 +649,8 @@ def gcn_norm_of_edge_list(edge_index: Tensor, edge_weight: Optional[Tensor], num
     degree or an aggregation, and each added loop weighs what ``gcn_norm``
     gives it (an existing loop's weight, else ``2`` if ``improved`` else
     ``1``; ``1`` without edge weights, as there)."""
-    from torch_geometric.nn.conv.gcn_conv import gcn_norm
     if not add_self_loops:
+        from torch_geometric.nn.conv.gcn_conv import gcn_norm
         return gcn_norm(edge_index, edge_weight, num_nodes, improved, False,
                         "source_to_target", dtype)
     src, dst = edge_index[0], edge_index[1]
