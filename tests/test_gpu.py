@@ -413,12 +413,20 @@ import gc, json, torch
 import pyg_maxk, pyg_maxk.nn
 from numba.cuda.dispatcher import CUDADispatcher
 from helpers import random_edge_index
+from pyg_maxk.graph import EdgeListGraph, edge_list
 
 ei = random_edge_index(3000, 3000, 40_000, seed=3).cuda()
 g = torch.Generator().manual_seed(0)
 x = torch.randn(3000, 64, generator=g).cuda()
 y = torch.randint(0, 7, (3000,), generator=g).cuda()
-sums = []
+# The edge-list kernels, forward and backward, on their own: in a model their
+# atomics' order could flip a top-k tie downstream, beyond rounding.
+xg = x.clone().requires_grad_()
+out = pyg_maxk.aggregate(EdgeListGraph.from_edge_index(ei, (3000, 3000), normalization="mean"),
+                         pyg_maxk.maxk(xg, 16))
+out.square().sum().backward()
+sums = [[float(out.double().abs().sum()), float(xg.grad.double().abs().sum())]]
+edge_list.LAYERS_TAKE_EDGE_LISTS = False  # the models on CSR graphs: fixed-order sums
 for cls in (pyg_maxk.nn.MaxKGraphSAGE, pyg_maxk.nn.MaxKGCN, pyg_maxk.nn.MaxKGIN):
     for dtype in (None, torch.bfloat16):
         torch.manual_seed(0)

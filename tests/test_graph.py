@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import pyg_maxk
-from helpers import FORMS, adjacency, random_edge_index
+from helpers import DEVICE, FORMS, ON_GPU, adjacency, random_edge_index
 from pyg_maxk import CSRGraph
 from pyg_maxk.graph.cache import _CACHE
 
@@ -332,9 +332,10 @@ def test_a_prepared_graph_survives_torch_save_and_deepcopy(normalization, tmp_pa
 @pytest.mark.parametrize("improved", [False, True])
 @pytest.mark.parametrize("self_loops", [False, True])
 def test_gcn_norm_of_an_edge_list_is_pygs(weighted, improved, self_loops):
-    # The same adjacency as PyG's gcn_norm (which drops existing self-loops
-    # before it adds one per node; a node with two loops keeps one's weight),
-    # with existing loops kept at weight 0 instead of removed.
+    # The same adjacency as PyG's gcn_norm on a CPU (which drops existing
+    # self-loops before it adds one per node; a node with two loops keeps
+    # the last one's weight), with existing loops kept at weight 0 instead of
+    # removed, on every device.
     from torch_geometric.nn.conv.gcn_conv import gcn_norm
     from torch_geometric.utils import to_dense_adj
 
@@ -344,11 +345,11 @@ def test_gcn_norm_of_an_edge_list_is_pygs(weighted, improved, self_loops):
     ei[:, :4] = torch.tensor([[1, 5, 9, 9], [1, 5, 9, 9]])
     weight = torch.rand(ei.size(1), generator=torch.Generator().manual_seed(3)) + 0.5 \
         if weighted else None
-    if weighted:
-        weight[3] = weight[2]  # index_put keeps either of node 9's loops
     expected = gcn_norm(ei, weight, n, improved, self_loops, "source_to_target",
                         torch.float32)
-    actual = gcn_norm_of_edge_list(ei, weight, n, improved, self_loops, torch.float32)
+    on_device = (ei.to(DEVICE), None if weight is None else weight.to(DEVICE))
+    actual = gcn_norm_of_edge_list(*on_device, n, improved, self_loops, torch.float32)
+    actual = tuple(t.cpu() for t in actual)
     dense = [to_dense_adj(e, edge_attr=w, max_num_nodes=n) for e, w in (expected, actual)]
     torch.testing.assert_close(dense[1], dense[0], rtol=1e-6, atol=0)
 
@@ -357,24 +358,24 @@ def test_gcn_norm_of_an_edge_list_is_pygs(weighted, improved, self_loops):
 def _edge_list_case(normalization, weighted, seed=0):
     from pyg_maxk.graph import EdgeListGraph
     ei = random_edge_index(12, 12, 60, seed=seed)
-    ei = ei[:, torch.randperm(60, generator=torch.Generator().manual_seed(seed))]
-    w = torch.rand(60) + 0.1 if weighted else None
+    ei = ei[:, torch.randperm(60, generator=torch.Generator().manual_seed(seed))].to(DEVICE)
+    w = torch.rand(60).to(DEVICE) + 0.1 if weighted else None
     return (EdgeListGraph.from_edge_index(ei, (12, 12), edge_weight=w,
                                           normalization=normalization),
             CSRGraph.from_adj(ei, (12, 12), edge_weight=w, normalization=normalization,
                               cache=False))
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", "numba" if ON_GPU else "cpu"])
 @pytest.mark.parametrize("normalization,weighted", [("mean", False), ("mean", True),
                                                     ("sum", True), ("gcn", False)])
 def test_an_edge_list_aggregates_as_its_csr_graph(backend, normalization, weighted):
-    # The backends besides the CUDA kernels take an edge list too (in
+    # Every backend takes an edge list (the torch and cpu backends in
     # torch's index ops), forward, backward and the fused features' gradient.
     from helpers import check_kernels
     graph, csr = _edge_list_case(normalization, weighted)
     check_kernels(graph, dim=16, k=4, reference=csr, backend=backend)
-    x = torch.randn(12, 16, dtype=torch.float32)
+    x = torch.randn(12, 16, dtype=torch.float32, device=DEVICE)
     results = []
     for g in (graph, csr):
         xg = x.clone().requires_grad_()
@@ -384,8 +385,10 @@ def test_an_edge_list_aggregates_as_its_csr_graph(backend, normalization, weight
         results.append((agg, xg.grad))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b)
-    dense = torch.randn(12, 5)  # every column kept: the CSR graph's product
-    torch.testing.assert_close(pyg_maxk.aggregate(graph, dense), pyg_maxk.aggregate(csr, dense))
+    dense = torch.randn(12, 5, device=DEVICE)  # every column kept: the CSR graph's product
+    with pyg_maxk.use_backend(backend):
+        torch.testing.assert_close(pyg_maxk.aggregate(graph, dense),
+                                   pyg_maxk.aggregate(csr, dense))
 
 
 def test_a_layer_takes_a_new_edge_index_as_its_edge_list_until_it_comes_back(monkeypatch):

@@ -648,7 +648,9 @@ def gcn_norm_of_edge_list(edge_index: Tensor, edge_weight: Optional[Tensor], num
     adds one per node; here they stay, weighing 0, which adds nothing to a
     degree or an aggregation, and each added loop weighs what ``gcn_norm``
     gives it (an existing loop's weight, else ``2`` if ``improved`` else
-    ``1``; ``1`` without edge weights, as there)."""
+    ``1``; ``1`` without edge weights, as there). Of a node's several
+    loops the last in the list gives the weight, on every device (as
+    ``gcn_norm`` on a CPU; on CUDA its choice is undefined)."""
     if not add_self_loops:
         from torch_geometric.nn.conv.gcn_conv import gcn_norm
         return gcn_norm(edge_index, edge_weight, num_nodes, improved, False,
@@ -659,11 +661,18 @@ def gcn_norm_of_edge_list(edge_index: Tensor, edge_weight: Optional[Tensor], num
         weight = (~is_loop).to(dtype)
         loop_weight = torch.ones(num_nodes, dtype=dtype, device=src.device)
     else:
-        # Each existing loop's weight onto its node; every other edge into a
-        # spare slot past the last node.
+        # Each existing loop's weight onto its node, every other edge into a
+        # spare slot past the last node. Each of a node's loops puts its last
+        # loop's weight (found by an order-free max), so that the put's pick
+        # among them is moot, and takes the gradient, as gcn_norm's put gives
+        # it to each.
         slot = torch.where(is_loop, src, num_nodes)
+        positions = torch.arange(src.numel(), device=src.device)
+        last = torch.full((num_nodes + 1,), -1, dtype=positions.dtype, device=src.device)
+        last = last.scatter_reduce(0, slot, positions, "amax")
+        put = edge_weight + (edge_weight[last[slot]] - edge_weight).detach()
         loop_weight = edge_weight.new_full((num_nodes + 1,), 2.0 if improved else 1.0)
-        loop_weight = loop_weight.index_put((slot,), edge_weight)[:num_nodes]
+        loop_weight = loop_weight.index_put((slot,), put)[:num_nodes]
         weight = edge_weight.masked_fill(is_loop, 0)
     nodes = torch.arange(num_nodes, dtype=edge_index.dtype, device=src.device)
     edge_index = torch.cat([edge_index, nodes.expand(2, -1)], dim=1)
