@@ -194,10 +194,17 @@ def choose(op: str, tensor: torch.Tensor, *, dim: int = 0, k: int = 0,
         large: (``linear``) whether there are :data:`LINEAR_MIN_ROWS` rows.
         requested: the backend asked for (default: :func:`get_backend`).
     """
+    return choose_on(op, tensor.device.type, tensor.dtype, dim=dim, k=k, uniform=uniform,
+                     large=large, requested=requested)
+
+
+def choose_on(op: str, device_type: str, dtype: torch.dtype, *, dim: int = 0, k: int = 0,
+              uniform: bool = True, large: bool = True, requested: Optional[str] = None) -> str:
+    """:func:`choose` for data of ``dtype`` on a device of ``device_type``
+    (``"cuda"``, ``"cpu"``), without a tensor at hand."""
     if requested is None:
         requested = get_backend()
-    key = (op, requested, tensor.device.type, tensor.dtype, int(dim), int(k), bool(uniform),
-           bool(large))
+    key = (op, requested, device_type, dtype, int(dim), int(k), bool(uniform), bool(large))
     decision = _DECISIONS.get(key)
     if decision is None:
         decision = _DECISIONS[key] = _decision(*key)

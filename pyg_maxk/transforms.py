@@ -7,7 +7,7 @@ import torch
 from torch_geometric.data import Data
 from torch_geometric.transforms import BaseTransform
 
-from .graph import NORMALIZATIONS, CSRGraph
+from .graph import CSRGraph, check_normalization
 
 
 class ToCSRGraph(BaseTransform):
@@ -51,9 +51,7 @@ class ToCSRGraph(BaseTransform):
                  attr: Optional[str] = "edge_weight", gcn_improved: bool = False,
                  gcn_add_self_loops: bool = True, remove_edge_index: bool = True,
                  out_attr: str = "adj_t") -> None:
-        if normalization not in NORMALIZATIONS:
-            raise ValueError(f"Unknown normalization {normalization!r}; "
-                             f"choose one of {NORMALIZATIONS}")
+        check_normalization(normalization)
         self.normalization = normalization
         self.ks = (k,) if isinstance(k, int) else tuple(k)
         self.attr = attr

@@ -16,9 +16,15 @@ cached, so that every layer, the backward pass and later epochs reuse it. The
 cache never returns a stale graph: it is keyed on the identity *and* the
 in-place version counter of every tensor the graph was built from.
 """
-from .adjacency import is_edge_index_type, is_sparse_tensor, is_torch_sparse
+from .adjacency import (
+    NORMALIZATIONS,
+    check_normalization,
+    is_edge_index_type,
+    is_sparse_tensor,
+    is_torch_sparse,
+)
 from .cache import SETTLE_AFTER_HITS, clear_graph_cache
-from .csr import BOUNDED_MAX_EDGES, INT32_MAX, NORMALIZATIONS, CSRGraph
+from .csr import BOUNDED_MAX_EDGES, INT32_MAX, CSRGraph
 from .edge_list import CSR_AFTER_HITS, EDGE_LIST_MAX_EDGES, EdgeListGraph, edge_list_graph
 from .edge_values import edge_structure, graph_with_edge_values
 from .operands import (
@@ -39,7 +45,8 @@ __all__ = [
     "CSRGraph", "EdgeListGraph", "GraphOperands", "PackedGraph", "WorkSchedule",
     "BOUNDED_MAX_EDGES", "CSR_AFTER_HITS", "EDGE_LIST_MAX_EDGES", "edge_list_graph",
     "GRAPH_FIELDS", "INT32_MAX", "LAYOUT_SIZES", "NORMALIZATIONS", "PACK_ALIGN",
-    "PAIRS_PER_ITEM", "SETTLE_AFTER_HITS", "clear_graph_cache", "edge_structure",
+    "PAIRS_PER_ITEM", "SETTLE_AFTER_HITS", "check_normalization", "clear_graph_cache",
+    "edge_structure",
     "graph_with_edge_values", "is_edge_index_type", "is_sparse_tensor", "is_torch_sparse",
     "layout_dtype", "layout_numel", "max_edges_per_item", "pack", "unpack", "without_weights",
 ]

@@ -8,6 +8,17 @@ from typing import Any, Tuple
 import torch
 from torch import Tensor
 
+#: The aggregations' normalisations: PyG's sum (GIN), mean (SAGE) and
+#: symmetric GCN normalisation.
+NORMALIZATIONS = ("sum", "mean", "gcn")
+
+
+def check_normalization(normalization: str) -> None:
+    """A ValueError naming the choices unless ``normalization`` is one."""
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"Unknown normalization {normalization!r}; "
+                         f"choose one of {NORMALIZATIONS}")
+
 
 def is_sparse_tensor(adj: Any) -> bool:
     """True for a :class:`torch_sparse.SparseTensor` (without importing it)."""

@@ -12,6 +12,7 @@ from torch import Tensor
 from .adjacency import (
     as_sparse_csr,
     check_edge_index,
+    check_normalization,
     check_same_device,
     is_sparse_tensor,
     is_torch_sparse,
@@ -28,7 +29,6 @@ from .operands import (
 )
 from .schedule import WorkSchedule, max_edges_per_item, numba_builds, work_schedule
 
-NORMALIZATIONS = ("sum", "mean", "gcn")
 #: Types of edge values the CPU build computes with its Numba kernels.
 CPU_DTYPES = (torch.float32, torch.float64)
 INT32_MAX = 2**31 - 1
@@ -116,9 +116,7 @@ class CSRGraph:
     def __init__(self, rowptr: Tensor, col: Tensor, weight: Optional[Tensor],
                  size: Tuple[int, int], normalization: str = "sum",
                  row_scale: Optional[Tensor] = None) -> None:
-        if normalization not in NORMALIZATIONS:
-            raise ValueError(f"Unknown normalization {normalization!r}; "
-                             f"choose one of {NORMALIZATIONS}")
+        check_normalization(normalization)
         num_src, num_dst = int(size[0]), int(size[1])
         if rowptr.numel() != num_dst + 1:
             raise ValueError(f"rowptr has {rowptr.numel()} entries, expected "
@@ -534,9 +532,7 @@ class CSRGraph:
                 f"expected an edge_index [2, E] tensor, torch_geometric.EdgeIndex, "
                 f"torch_sparse.SparseTensor, a torch.sparse COO/CSR/CSC tensor "
                 f"or a pyg_maxk.CSRGraph")
-        if normalization not in NORMALIZATIONS:
-            raise ValueError(f"Unknown normalization {normalization!r}; "
-                             f"choose one of {NORMALIZATIONS}")
+        check_normalization(normalization)
         if edge_weight is not None:
             check_same_device(adj, edge_weight)
         if edge_weight is not None and torch.is_grad_enabled() and edge_weight.requires_grad:

@@ -20,7 +20,14 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .adjacency import check_edge_index, is_sparse_tensor, is_torch_sparse, plain
+from ..dispatch import choose_on
+from .adjacency import (
+    check_edge_index,
+    check_normalization,
+    is_sparse_tensor,
+    is_torch_sparse,
+    plain,
+)
 from .cache import _CACHE, _EDGE_LISTS, fingerprint
 from .operands import GraphOperands, PackedGraph, pack
 from .schedule import numba_builds
@@ -86,8 +93,7 @@ class EdgeListGraph:
         range check runs on the device, without a host sync: an index out
         of range is a device-side assert, as in PyG's own index ops."""
         check_edge_index(edge_index)
-        if normalization not in ("sum", "mean", "gcn"):
-            raise ValueError(f"Unknown normalization {normalization!r}")
+        check_normalization(normalization)
         num_src, num_dst = int(size[0]), int(size[1])
         value = edge_weight
         edges = plain(edge_index)
@@ -158,7 +164,6 @@ def takes_edge_list(adj: Any, edge_weight: Optional[Tensor], dtype: torch.dtype)
     (not a sparse adjacency) of at most :data:`EDGE_LIST_MAX_EDGES` edges,
     float32 edge values, no edge weights that need a gradient, and the Numba
     kernels to aggregate it."""
-    from ..dispatch import choose
     if not LAYERS_TAKE_EDGE_LISTS:
         return False
     if not isinstance(adj, Tensor) or is_sparse_tensor(adj) or is_torch_sparse(adj):
@@ -169,8 +174,7 @@ def takes_edge_list(adj: Any, edge_weight: Optional[Tensor], dtype: torch.dtype)
         return False
     if edge_weight is not None and edge_weight.requires_grad and torch.is_grad_enabled():
         return False
-    like = torch.empty(0, dtype=dtype, device=adj.device)  # (an EdgeIndex takes no float)
-    return choose("aggregate", like, dim=32, k=8) == "numba"
+    return choose_on("aggregate", "cuda", dtype, dim=32, k=8) == "numba"
 
 
 def edge_list_graph(adj: Any, size: Tuple[int, int], *, edge_weight: Optional[Tensor] = None,
