@@ -35,11 +35,11 @@ from .schedule import numba_builds
 #: Edges up to which a new GPU ``edge_index`` is aggregated as its edge list
 #: (beyond, its atomics cost more device time than the CSR build saves).
 EDGE_LIST_MAX_EDGES = 1 << 20
-#: Whether layers take a new GPU ``edge_index`` as its edge list at all. Off:
-#: the edge-list kernels pass their tests in Numba's simulator but have not
-#: yet run the GPU suite, which decides this switch (the layers then build
-#: the CSR of every new graph, as :meth:`CSRGraph.from_adj` does).
-LAYERS_TAKE_EDGE_LISTS = False
+#: Whether layers take a new GPU ``edge_index`` as its edge list at all. Set
+#: it False to have them build the CSR of every graph (as
+#: :meth:`CSRGraph.from_adj` does), whose forward sums run in a fixed order:
+#: an edge list's atomics add in any order, as PyG's scatter does on a GPU.
+LAYERS_TAKE_EDGE_LISTS = True
 #: Cache hits after which an ``edge_index`` is taken for a fixed graph and
 #: built as a :class:`CSRGraph`. A model resolves its graph once per forward
 #: (a hit per step), a stack of convs once per conv: a new graph per batch
