@@ -3,6 +3,7 @@
     python benchmarks/overhead.py            # the "numba" backend on a GPU
     python benchmarks/overhead.py --tiny     # the "cpu" backend (CI smoke run)
     python benchmarks/overhead.py --blocks   # steps timed 5 at a time (throughput)
+    python benchmarks/overhead.py --backward-on-calling-thread --out DIR  # no device thread
 
 Ops: on a tiny graph (1,000 nodes, 5,000 edges, dim 256, k=32) the device
 work is negligible, so the wall time per call is the Python + launch
@@ -101,12 +102,18 @@ def main(argv=None):
     p.add_argument("--blocks", action="store_true",
                    help="time each round's 5 steps together, one sync after the last "
                         "(throughput), instead of one sync per step (latency)")
+    p.add_argument("--backward-on-calling-thread", action="store_true",
+                   help="run every backward on the calling thread, both sides "
+                        "(torch.autograd.set_multithreading_enabled(False)), not on "
+                        "autograd's device thread")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
     dev = torch.device("cpu" if args.tiny else "cuda")
     flush_denormals(dev)  # as train.py and `pyg-maxk train`: both sides alike
+    torch.autograd.set_multithreading_enabled(not args.backward_on_calling_thread)
     backend = "cpu" if args.tiny else "numba"
-    results = {"backend": backend}
+    results = {"backend": backend,
+               "backward_thread": "calling" if args.backward_on_calling_thread else "device"}
     ei = power_law_edge_index(1000, 5000, seed=0, device=dev)
     g = CSRGraph.from_adj(ei, (1000, 1000), normalization="mean")
     x = torch.randn(1000, 256, device=dev)

@@ -3,6 +3,7 @@
     python benchmarks/train.py                 # Reddit-, products- and Cora-shaped graphs (GPU)
     python benchmarks/train.py --tiny          # CPU smoke run on a small graph (CI)
     python benchmarks/train.py --graphs reddit --models sage --k 8,32
+    python benchmarks/train.py --graphs arxiv --out benchmarks/results/arxiv   # ogbn-arxiv's shape
     python benchmarks/train.py --device cpu --graphs reddit --scale 0.02 --forms edge_index,csr
     python benchmarks/train.py --graphs products --models sage --tf32   # TF32 matmuls, both sides
     python benchmarks/train.py --graphs cora --compile default,reduce-overhead,cuda-graph
@@ -99,6 +100,7 @@ NORMALIZATION = {"sage": "mean", "gcn": "gcn", "gin": "sum"}
 WORKLOADS = {
     "reddit": ("reddit-like", 4),
     "products": ("products-like", 3),
+    "arxiv": ("arxiv-like", 3),
     "cora": ("cora-like", 2),
 }
 FORMS = ("edge_index", "EdgeIndex", "csr", "csr-int32", "SparseTensor")

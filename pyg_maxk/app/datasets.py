@@ -28,6 +28,7 @@ class Preset:
 #: Shapes of the real graphs (directed edge counts).
 PRESETS: Dict[str, Preset] = {
     "cora-like": Preset(2_708, 10_556, 1_433, 7),
+    "arxiv-like": Preset(169_343, 1_166_243, 128, 40, max_degree=13_161),
     "reddit-like": Preset(232_965, 114_615_892, 602, 41, max_degree=60_000),
     "products-like": Preset(2_449_029, 123_718_280, 100, 47, max_degree=20_000),
     "small": Preset(5_000, 100_000, 64, 8, max_degree=2_000),
