@@ -46,7 +46,7 @@ __all__ = [
     "BOUNDED_MAX_EDGES", "CSR_AFTER_HITS", "EDGE_LIST_MAX_EDGES", "edge_list_graph",
     "GRAPH_FIELDS", "INT32_MAX", "LAYOUT_SIZES", "NORMALIZATIONS", "PACK_ALIGN",
     "PAIRS_PER_ITEM", "SETTLE_AFTER_HITS", "check_normalization", "clear_graph_cache",
-    "edge_structure",
-    "graph_with_edge_values", "is_edge_index_type", "is_sparse_tensor", "is_torch_sparse",
-    "layout_dtype", "layout_numel", "max_edges_per_item", "pack", "unpack", "without_weights",
+    "edge_structure", "graph_with_edge_values", "is_edge_index_type", "is_sparse_tensor",
+    "is_torch_sparse", "layout_dtype", "layout_numel", "max_edges_per_item", "pack", "unpack",
+    "without_weights",
 ]
