@@ -94,7 +94,7 @@ def main(argv=None):
     dtype = DTYPES[args.dtype]
     a_csr = graph.torch_csr(torch.float32)
     a_csr32 = torch.sparse_csr_tensor(a_csr.crow_indices().int(), a_csr.col_indices().int(),
-                                      a_csr.values(), a_csr.shape)
+                                      a_csr.values(), a_csr.shape, check_invariants=False)
     a_half = graph.torch_csr(dtype) if dtype != torch.float32 else None
     a_t = a_csr.t().to_sparse_csr()  # what a transposed-product backward reads
     print(f"graph: {nodes} nodes, {graph.num_edges} edges, max in-degree "

@@ -176,7 +176,8 @@ def adjacency(form: str, edge_index: torch.Tensor, n: int):
         int32 = form == "csr-int32"
         rowptr = torch.ops.aten._convert_indices_from_coo_to_csr(dst, n, out_int32=int32)
         ones = torch.ones(src.numel(), device=src.device)
-        return torch.sparse_csr_tensor(rowptr, src.int() if int32 else src, ones, (n, n))
+        return torch.sparse_csr_tensor(rowptr, src.int() if int32 else src, ones, (n, n),
+                                       check_invariants=False)
     if form == "SparseTensor":
         from torch_sparse import SparseTensor
         return SparseTensor(row=dst, col=src, sparse_sizes=(n, n), is_sorted=True,

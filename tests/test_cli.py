@@ -1,6 +1,7 @@
 """The ``pyg-maxk`` command line: every flag documented, datasets offline,
 errors that say what to do."""
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,16 @@ def test_planetoid_from_root(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "dataset Cora: 2708 nodes" in out
     assert out.strip().splitlines()[-1].startswith("summary: MaxK k=16 test accuracy")
+
+
+def test_the_main_job_prints_no_warnings(capsys):
+    # The README's main job (a CPU run here: stock on a torch.sparse CSR
+    # adj_t) shows its table, not torch's sparse-beta notes.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["train", "--compare", "--epochs", "2", "--scale", "0.2",
+                     "--no-progress"]) == 0
+    assert [str(w.message) for w in caught] == []
 
 
 def test_seeded_runs_reproduce(capsys):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
@@ -112,7 +113,10 @@ def stock_adjacency(form: str, edge_index: Tensor, num_nodes: int, device: torch
         return edge_index, form
     if form == "csr":
         from torch_geometric.utils import to_torch_csr_tensor
-        return to_torch_csr_tensor(edge_index.flip(0), size=(num_nodes, num_nodes)), form
+        with warnings.catch_warnings():  # torch's "sparse CSR support is in beta" notes
+            warnings.simplefilter("ignore", UserWarning)
+            adj = to_torch_csr_tensor(edge_index.flip(0), size=(num_nodes, num_nodes))
+        return adj, form
     if form == "SparseTensor":
         from torch_sparse import SparseTensor
         return SparseTensor(row=edge_index[1], col=edge_index[0],
