@@ -838,3 +838,19 @@ def test_layer_contract_numba_on_an_edge_list(monkeypatch, linear_kernel_everywh
     x = torch.randn(14, 24).to(DEVICE)
     assert isinstance(ours.to(DEVICE).graph_for(adj, x, x), EdgeListGraph)
     assert_same_as_stock(ours.to(DEVICE), stock.to(DEVICE), x, (adj,), 5, backend="numba")
+
+
+@pytest.mark.parametrize("kind", ["sage", "gin"])
+def test_bipartite_layer_contract_numba_on_an_edge_list(monkeypatch, linear_kernel_everywhere,
+                                                         kind):
+    # Source and target nodes apart (x = (x_src, x_dst)): the edge list's
+    # range check and kernels take the two sizes, not one.
+    from pyg_maxk.graph import edge_list
+    monkeypatch.setattr(edge_list, "takes_edge_list", lambda *args: True)
+    ei = _shuffled(random_edge_index(20, 12, 60, seed=4)).to(DEVICE)
+    ours, stock = make_pair(kind)
+    x = (torch.randn(20, 24).to(DEVICE), torch.randn(12, 24).to(DEVICE))
+    assert isinstance(ours.to(DEVICE).graph_for(ei, *x), EdgeListGraph)
+    out = assert_same_as_stock(ours.to(DEVICE), stock.to(DEVICE), x, (ei,), 5,
+                               backend="numba")
+    assert out.shape[0] == 12
