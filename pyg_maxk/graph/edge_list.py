@@ -1,7 +1,7 @@
 """A graph aggregated as its edge list (:class:`EdgeListGraph`): what a layer
-uses (with :data:`LAYERS_TAKE_EDGE_LISTS`) for a GPU ``edge_index`` it has
-not seen before, such as a new mini-batch's, instead of sorting it into a
-:class:`CSRGraph`.
+uses (unless :data:`LAYERS_TAKE_EDGE_LISTS` is False) for a GPU
+``edge_index`` it has not seen before, such as a new mini-batch's, instead
+of sorting it into a :class:`CSRGraph`.
 
 A CSR graph's build (a sort by target, the row pointers, the work schedule,
 the packing) takes tens of launches, which a fixed graph pays once and a new
@@ -159,8 +159,8 @@ class EdgeListGraph:
 
 
 def takes_edge_list(adj: Any, edge_weight: Optional[Tensor], dtype: torch.dtype) -> bool:
-    """Whether :func:`edge_list_graph` serves ``adj`` (with
-    :data:`LAYERS_TAKE_EDGE_LISTS`): a GPU ``edge_index``
+    """Whether :func:`edge_list_graph` serves ``adj`` (never where
+    :data:`LAYERS_TAKE_EDGE_LISTS` is False): a GPU ``edge_index``
     (not a sparse adjacency) of at most :data:`EDGE_LIST_MAX_EDGES` edges,
     float32 edge values, no edge weights that need a gradient, and the Numba
     kernels to aggregate it."""

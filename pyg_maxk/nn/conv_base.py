@@ -226,9 +226,9 @@ class MaxKConv(MessagePassing):
                   size: Size = None, *,
                   edge_weight: Optional[Tensor] = None) -> Graph:
         """The graph of ``adj`` for this layer, with its operands for this
-        layer's ``k`` built: a :class:`CSRGraph`, or, with
-        :data:`~pyg_maxk.graph.edge_list.LAYERS_TAKE_EDGE_LISTS`, for a GPU
-        ``edge_index`` not seen before an
+        layer's ``k`` built: a :class:`CSRGraph`, or, for a GPU ``edge_index``
+        not seen before (unless
+        :data:`~pyg_maxk.graph.edge_list.LAYERS_TAKE_EDGE_LISTS` is False), an
         :class:`~pyg_maxk.graph.EdgeListGraph` (no sort, no schedule: what a
         new graph per batch should cost).
 
