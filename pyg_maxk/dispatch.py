@@ -35,9 +35,18 @@ and its backward):
   Elsewhere the linear map densifies (with the backend's densify) and calls
   cuBLAS/MKL: the ``"torch"`` variant of the op.
 
+* Under :func:`torch.use_deterministic_algorithms`, the aggregation (whose
+  Numba kernels add in float atomics, so the order of each sum varies from
+  run to run) takes ``"torch"``'s implementation, which sums in a fixed
+  order on every device (see :func:`float_atomics_allowed`); ``"auto"``
+  picks it, a forced ``"numba"`` raises :class:`BackendError` (with
+  ``warn_only=True`` it warns once per op and shape, and runs its kernels).
+  The other ops' kernels write each output once: they stay as chosen.
+
 A decision depends only on the requested backend, the device type, the
-dtypes and the shape parameters (``dim``, ``k``, whether the rows reach a
-threshold), and is computed once per such key. The custom ops take the
+dtypes, the shape parameters (``dim``, ``k``, whether the rows reach a
+threshold) and torch's deterministic-algorithms setting, and is computed
+once per such key. The custom ops take the
 *requested* backend as a string argument and decide inside their
 implementation, at run time, where every size is a plain int: so a compiled
 graph guards only on the requested backend (a change recompiles), never on
@@ -48,6 +57,7 @@ from __future__ import annotations
 
 import contextvars
 import os
+import warnings
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -204,11 +214,34 @@ def choose_on(op: str, device_type: str, dtype: torch.dtype, *, dim: int = 0, k:
     (``"cuda"``, ``"cpu"``), without a tensor at hand."""
     if requested is None:
         requested = get_backend()
-    key = (op, requested, device_type, dtype, int(dim), int(k), bool(uniform), bool(large))
+    key = (op, requested, device_type, dtype, int(dim), int(k), bool(uniform), bool(large),
+           _determinism())
     decision = _DECISIONS.get(key)
     if decision is None:
         decision = _DECISIONS[key] = _decision(*key)
     return decision
+
+
+#: The ops whose Numba CUDA kernels add in float atomics (the order of each
+#: sum varies between runs): the aggregation, its backward, its edge values'
+#: gradient and the edge-list aggregation.
+ATOMIC_OPS = ("aggregate",)
+_DETERMINISTIC, _WARN_ONLY = 1, 2
+
+
+def _determinism() -> int:
+    """0 where torch's deterministic algorithms are off, else
+    :data:`_DETERMINISTIC` or (``warn_only=True``) :data:`_WARN_ONLY`."""
+    if not torch.are_deterministic_algorithms_enabled():
+        return 0
+    return _WARN_ONLY if torch.is_deterministic_algorithms_warn_only_enabled() else _DETERMINISTIC
+
+
+def float_atomics_allowed() -> bool:
+    """Whether sums may run in an order that varies between runs (float
+    atomics): not under :func:`torch.use_deterministic_algorithms`, where
+    the ops take fixed-order implementations (see the module docs)."""
+    return not torch.are_deterministic_algorithms_enabled()
 
 
 def resolve_backend(tensor: torch.Tensor) -> str:
@@ -251,7 +284,24 @@ def clear_decisions() -> None:
     _DECISIONS.clear()
 
 
-def _decision(op, requested, device_type, dtype, dim, k, uniform, large) -> str:
+def _decision(op, requested, device_type, dtype, dim, k, uniform, large, determinism) -> str:
+    decision = _decision_of_setting(op, requested, device_type, dtype, dim, k, uniform, large)
+    if decision != "numba" or not determinism or op not in ATOMIC_OPS:
+        return decision
+    if requested == "auto":
+        return "torch"
+    message = (f"pyg_maxk backend 'numba' runs {op!r} with float atomic additions, whose "
+               f"order (and so the rounding of each sum) varies between runs, and "
+               f"torch.use_deterministic_algorithms(True) is set. Use backend 'auto' or "
+               f"'torch' (fixed-order sums), or warn_only=True to run the kernels anyway.")
+    if determinism == _DETERMINISTIC:
+        raise BackendError(message)
+    warnings.warn(message, UserWarning, stacklevel=3)
+    return decision
+
+
+def _decision_of_setting(op, requested, device_type, dtype, dim, k, uniform, large) -> str:
+    """The decision with torch's deterministic algorithms off."""
     if op not in OPS:
         raise ValueError(f"Unknown pyg_maxk op {op!r}")
     if requested == "torch":

@@ -6,6 +6,7 @@ import torch
 
 import pyg_maxk
 from pyg_maxk.dispatch import get_backend, resolve_backend
+from pyg_maxk.nn import MaxKSAGEConv
 
 
 def test_context_manager_nests_and_restores():
@@ -46,6 +47,54 @@ def test_forced_cpu_backend_rejects_what_it_cannot_take():
 def test_numba_rejects_float64():
     with pyg_maxk.use_backend("numba"), pytest.raises(pyg_maxk.BackendError, match="float64"):
         resolve_backend(torch.zeros(1, dtype=torch.float64))
+
+
+@pytest.fixture
+def deterministic_algorithms():
+    """Restores torch's deterministic-algorithms setting after the test."""
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    yield
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def test_deterministic_mode_takes_fixed_order_aggregation(monkeypatch, deterministic_algorithms):
+    # As if the Numba kernels ran here (a GPU): only the aggregation adds in
+    # float atomics, so only it changes under deterministic mode.
+    monkeypatch.setattr(pyg_maxk.dispatch, "_numba_cannot", lambda *args: "")
+    choose_on = pyg_maxk.dispatch.choose_on
+
+    def decision(op, requested):
+        return choose_on(op, "cuda", torch.float32, dim=256, k=32, requested=requested)
+
+    assert decision("aggregate", "auto") == "numba"
+    assert pyg_maxk.dispatch.float_atomics_allowed()
+    torch.use_deterministic_algorithms(True)
+    assert not pyg_maxk.dispatch.float_atomics_allowed()
+    assert decision("aggregate", "auto") == "torch"
+    assert decision("select", "auto") == decision("densify", "auto") == "numba"
+    assert decision("aggregate", "torch") == "torch"
+    with pytest.raises(pyg_maxk.BackendError, match="use_deterministic_algorithms"):
+        decision("aggregate", "numba")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    with pytest.warns(UserWarning, match="float atomic"):
+        assert decision("aggregate", "numba") == "numba"
+    assert decision("aggregate", "auto") == "torch"
+    torch.use_deterministic_algorithms(False)
+    assert decision("aggregate", "auto") == "numba"
+
+
+@pytest.mark.sim
+@pytest.mark.smoke
+def test_a_forced_numba_aggregation_under_deterministic_mode_is_a_clear_error(
+        deterministic_algorithms):
+    x, ei = torch.randn(6, 16), torch.tensor([[0, 1, 2, 3], [1, 2, 3, 4]])
+    conv = MaxKSAGEConv(16, 8, k=4)
+    torch.use_deterministic_algorithms(True)
+    with pyg_maxk.use_backend("numba"), \
+            pytest.raises(pyg_maxk.BackendError, match="fixed-order sums"):
+        conv(x, ei)
+    conv(x, ei)  # "auto": the CPU kernels, which add each row in order
 
 
 @pytest.mark.slow

@@ -713,3 +713,39 @@ def test_edge_list_of_a_power_law_graph_against_float64(normalization, dim, k):
     edge_list = EdgeListGraph.from_edge_index(ei, (20_000, 20_000), normalization=normalization)
     csr = CSRGraph.from_adj(ei, (20_000, 20_000), normalization=normalization, cache=False)
     check_kernels(edge_list, dim=dim, k=k, reference=csr, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["sage", "gcn", "gin"])
+def test_deterministic_mode_gives_the_same_bits_every_run(kind):
+    # A fresh edge_index with a 50,000-neighbour hub: under deterministic
+    # mode no edge list and no float atomics, so two runs agree bit for bit
+    # (forward and every gradient), and the contract holds. warn_only: stock's
+    # cuBLAS GEMMs would otherwise need CUBLAS_WORKSPACE_CONFIG set first.
+    from pyg_maxk.graph.edge_list import takes_edge_list
+
+    ei = power_law_edges(num_nodes=20_000, avg_degree=10)
+    ei = ei[:, torch.randperm(ei.size(1), device="cuda")]
+    x = torch.randn(20_000, 64, device="cuda")
+    maxk_conv, stock_conv = (m.cuda() for m in make_pair(kind, f_in=64, k=16))
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        assert not takes_edge_list(ei, None, torch.float32)
+        runs = []
+        for _ in range(2):
+            pyg_maxk.clear_graph_cache()
+            maxk_conv.zero_grad()
+            xs = x.clone().requires_grad_()
+            out = maxk_conv(xs, ei.clone())
+            out.backward(torch.ones_like(out) / out.numel() ** 0.5 + out.detach())
+            runs.append([out.detach(), xs.grad] + [p.grad for p in maxk_conv.parameters()])
+        for a, b in zip(*runs):
+            assert torch.equal(a, b)
+        maxk_conv.zero_grad()
+        assert_same_as_stock(maxk_conv, stock_conv, x, (ei,), 16, backend="auto", rtol=1e-4,
+                             atol=1e-4)
+        with pyg_maxk.use_backend("numba"), pytest.warns(UserWarning, match="float atomic"):
+            maxk_conv(x, ei.clone())
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])

@@ -37,8 +37,10 @@ from .schedule import numba_builds
 EDGE_LIST_MAX_EDGES = 1 << 20
 #: Whether layers take a new GPU ``edge_index`` as its edge list at all. Set
 #: it False to have them build the CSR of every graph (as
-#: :meth:`CSRGraph.from_adj` does), whose forward sums run in a fixed order:
-#: an edge list's atomics add in any order, as PyG's scatter does on a GPU.
+#: :meth:`CSRGraph.from_adj` does), whose forward sums run in a fixed order
+#: except on split rows: an edge list's atomics add in any order, as PyG's
+#: scatter does on a GPU. Under :func:`torch.use_deterministic_algorithms`
+#: the aggregation is torch's (:mod:`pyg_maxk.dispatch`), never an edge list.
 LAYERS_TAKE_EDGE_LISTS = True
 #: Cache hits after which an ``edge_index`` is taken for a fixed graph and
 #: built as a :class:`CSRGraph`. A model resolves its graph once per forward

@@ -507,9 +507,11 @@ def _cbsr_linear_backward_impl(grad_out: Tensor, values: Tensor, indices: Tensor
                                                dense_ops.cbsr_to_dense, dense_ops.gather_at)
     grad_values, grad_weight = grads
     # torch's sum(0) of a short [N, out] costs less host time than a launch;
-    # over many rows it stays far below the bandwidth that the kernel reaches.
+    # over many rows it stays far below the bandwidth that the kernel reaches
+    # (whose float atomics deterministic mode rules out).
     large = grad_out.size(0) >= dispatch.LINEAR_MIN_ROWS
-    column_sums = dense_ops.column_sums if large else torch_ops.column_sums
+    kernel_sums = large and dispatch.float_atomics_allowed()
+    column_sums = dense_ops.column_sums if kernel_sums else torch_ops.column_sums
     grad_bias = column_sums(grad_out) if need_bias else None
     # Custom ops return tensors: an empty one stands for a gradient not asked for.
     return (grad_values if grad_values is not None else values.new_empty(0),

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..cbsr import index_dtype_for
+from ..dispatch import float_atomics_allowed
 from ..graph import GraphOperands
 from ._common import aggregation_dtype, autocast_disabled, dtype_of, spgemm_dtype
 
@@ -61,6 +62,15 @@ def spmm(rowptr: Tensor, col: Tensor, weight: Optional[Tensor], dense: Tensor, n
     (``[num_src, d]``) for the CSR graph ``A`` of ``num_src`` columns, in
     ``dense``'s dtype promoted with the edge values' (torch's rule)."""
     num_dst = rowptr.numel() - 1
+    if dense.is_cuda and not float_atomics_allowed():
+        # cuSPARSE's products may add in atomics (the transposed one does);
+        # torch's index_add_ sums in a fixed order under deterministic mode.
+        row = torch.repeat_interleave(torch.arange(num_dst, device=col.device),
+                                      (rowptr[1:] - rowptr[:-1]).long(),
+                                      output_size=col.numel())
+        if transpose:
+            return edge_list_spmm(row, col, weight, dense, num_src)
+        return edge_list_spmm(col, row, weight, dense, num_dst)
     out_dtype = aggregation_dtype(dense.dtype, dtype_of(weight), None)
     # Half-precision features accumulate in float32, as the kernels do (and
     # torch.sparse has no half CSR product on the CPU).
