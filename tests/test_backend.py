@@ -1,10 +1,12 @@
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
 
 import pyg_maxk
+from helpers import DEVICE
 from pyg_maxk.dispatch import get_backend, resolve_backend
 from pyg_maxk.nn import MaxKSAGEConv
 
@@ -88,13 +90,21 @@ def test_deterministic_mode_takes_fixed_order_aggregation(monkeypatch, determini
 @pytest.mark.smoke
 def test_a_forced_numba_aggregation_under_deterministic_mode_is_a_clear_error(
         deterministic_algorithms):
-    x, ei = torch.randn(6, 16), torch.tensor([[0, 1, 2, 3], [1, 2, 3, 4]])
-    conv = MaxKSAGEConv(16, 8, k=4)
+    # On a GPU host the kernels' own device; here the simulator's CPU tensors.
+    x = torch.randn(6, 16, device=DEVICE)
+    ei = torch.tensor([[0, 1, 2, 3], [1, 2, 3, 4]], device=DEVICE)
+    conv = MaxKSAGEConv(16, 8, k=4).to(DEVICE)
     torch.use_deterministic_algorithms(True)
     with pyg_maxk.use_backend("numba"), \
             pytest.raises(pyg_maxk.BackendError, match="fixed-order sums"):
         conv(x, ei)
-    conv(x, ei)  # "auto": the CPU kernels, which add each row in order
+    # "auto" runs: fixed-order sums (warn_only: cuBLAS would want its
+    # workspace configured on a GPU).
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = conv(x, ei)
+    assert out.shape == (6, 8)
 
 
 @pytest.mark.slow
