@@ -6,6 +6,7 @@
     python benchmarks/train.py --graphs arxiv --out benchmarks/results/arxiv   # ogbn-arxiv's shape
     python benchmarks/train.py --device cpu --graphs reddit --scale 0.02 --forms edge_index,csr
     python benchmarks/train.py --graphs products --models sage --tf32   # TF32 matmuls, both sides
+    python benchmarks/train.py --graphs cora,arxiv --models sage,gin --deterministic
     python benchmarks/train.py --graphs cora --compile default,reduce-overhead,cuda-graph
     python benchmarks/train.py --graphs reddit,products --models sage --autocast bf16
 
@@ -60,13 +61,16 @@ gradients that decay into that range would otherwise slow later epochs'
 matrix products several times.
 Every speedup in the summary (``vs_fastest_stock``) is against the fastest
 stock entry of the same run, which it names.
-Writes ``benchmarks/results/train[-tiny|-cpu][-tf32][-compile][-autocast-bf16].json``
-and a ``.png`` of the same name.
+``--deterministic`` runs both sides under
+``torch.use_deterministic_algorithms(True)``.
+Writes ``benchmarks/results/train[-tiny|-cpu][-tf32][-deterministic][-compile]``
+``[-autocast-bf16].json`` and a ``.png`` of the same name.
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -135,6 +139,9 @@ def parse_args(argv=None):
     p.add_argument("--device", default=None)
     p.add_argument("--tf32", action="store_true",
                    help="allow TF32 in float32 matmuls (both sides; default: IEEE float32)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="torch.use_deterministic_algorithms(True) for both sides (and a "
+                        "fixed cuBLAS workspace, CUBLAS_WORKSPACE_CONFIG=:4096:8)")
     p.add_argument("--compile", default="",
                    help="torch.compile modes to time too, e.g. default,reduce-overhead; "
                         "cuda-graph: the whole step captured in one CUDA graph (GPU)")
@@ -574,9 +581,14 @@ def main(argv=None):
     if device.type == "cpu":  # for both sides, before torch's threads start
         flush_denormals(device)
     torch.backends.cuda.matmul.allow_tf32 = args.tf32
+    if args.deterministic:
+        # Read when cuBLAS first runs: set before either model does.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     payload = {"benchmark": "train", "environment": environment(device),
                "backend": resolve_backend(torch.empty(0, device=device)),
                "float32_matmul": "tf32" if args.tf32 else "ieee",
+               "deterministic_algorithms": args.deterministic,
                "workloads": {}}
     for name in graphs:
         large = args.large_forms.split(",") if args.large_forms else forms
@@ -586,6 +598,8 @@ def main(argv=None):
     name = "train-tiny" if args.tiny else ("train" if device.type == "cuda" else "train-cpu")
     if args.tf32:
         name += "-tf32"
+    if args.deterministic:
+        name += "-deterministic"
     if compile_modes and not args.tiny:
         name += "-compile"
     if args.autocast and not args.tiny:
