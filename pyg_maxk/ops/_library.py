@@ -50,15 +50,28 @@ def _module(backend: str) -> ModuleType:
 _MODULES = {"torch": torch_ops}
 
 
+#: The library that defines the ops (``torch.ops.pyg_maxk``).
+_LIBRARY = torch.library.Library("pyg_maxk", "DEF")
+
+
 class KernelOp:
     """One op, callable two ways with the same implementation and autograd:
 
-    * ``op``: the ``torch.library`` custom op, what ``torch.compile`` sees
-      and what :func:`torch.library.opcheck` checks;
+    * ``op``: the ``torch.library`` op (``torch.ops.pyg_maxk.<name>.default``),
+      what ``torch.compile`` sees and what :func:`torch.library.opcheck`
+      checks;
     * in eager mode, the implementation itself when no input needs a
       gradient, else a classic (``forward(ctx, ...)``) autograd Function
       around it: the dispatcher and a separate ``setup_context`` cost tens of
       microseconds of host time per call, and small graphs are host-bound.
+
+    The op is defined from the implementation's type hints (the schema that
+    :func:`torch.library.custom_op` would infer) and the implementation is
+    registered for every device as it is: ``custom_op``'s registration wraps
+    it in per-call Python layers (a check that no output aliases an input, a
+    ``torch.compiler.disable`` guard) that a compiled step, calling the op
+    through the dispatcher, pays on every call. Implementations return fresh
+    tensors (:func:`torch.library.opcheck` checks it in the tests).
     """
 
     def __init__(self, name: str, impl: Callable, fake: Callable,
@@ -66,11 +79,18 @@ class KernelOp:
                  backward: Optional[Callable] = None) -> None:
         self.name = name
         self.impl = impl
-        self.op = torch.library.custom_op(f"pyg_maxk::{name}", impl, mutates_args=())
-        self.op.register_fake(fake)
+        qualname = f"pyg_maxk::{name}"
+        _LIBRARY.define(name + torch.library.infer_schema(impl, mutates_args=()))
+        _LIBRARY.impl(name, impl, "CompositeExplicitAutograd")
+        self.op = getattr(torch.ops.pyg_maxk, name).default
+        torch.library.register_fake(qualname, fake, lib=_LIBRARY)
         self.function = None
+        # An op without autograd (a backward's own) gets one that raises: the
+        # dispatcher's default would drop its terms from a double backward.
+        torch.library.register_autograd(
+            qualname, backward or _no_autograd_formula(qualname),
+            setup_context=setup_context or _nothing_to_save, lib=_LIBRARY)
         if backward is not None:
-            self.op.register_autograd(backward, setup_context=setup_context)
 
             def forward(ctx, *args):
                 output = impl(*args)
@@ -113,6 +133,18 @@ class KernelOp:
 
 
 _PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
+
+
+def _no_autograd_formula(qualname: str) -> Callable:
+    def backward(ctx, *grads):
+        raise RuntimeError(f"Trying to backward through {qualname}, which has no autograd "
+                           f"formula: it computes a gradient of the MaxK ops, and their "
+                           f"second derivatives are not supported.")
+    return backward
+
+
+def _nothing_to_save(ctx, inputs, output) -> None:
+    pass
 
 
 def _densify(requested: str, values: Tensor, dim: int):
