@@ -458,8 +458,7 @@ def _spmm_backward(ctx, grad_out):
     if ctx.weight_grad and ctx.needs_input_grad[2]:
         # Edge e = (c -> r): <dense[c], grad_out[r]> (rows and columns swap
         # for the transposed product); an [E, d] product, torch's own ops.
-        row = torch.repeat_interleave(torch.arange(rowptr.numel() - 1, device=col.device),
-                                      (rowptr[1:] - rowptr[:-1]).long(), output_size=col.numel())
+        row = torch_ops.edge_targets(rowptr, col.numel())
         src, dst = (row, col.long()) if ctx.transpose else (col.long(), row)
         acc = torch.promote_types(dense.dtype, torch.float32)
         grad_weight = (dense[src].to(acc) * grad_out[dst].to(acc)).sum(1).to(weight.dtype)

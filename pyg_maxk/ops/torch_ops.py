@@ -56,6 +56,14 @@ def csr_matrix(rowptr: Tensor, col: Tensor, weight: Optional[Tensor], num_dst: i
                                        check_invariants=False)
 
 
+def edge_targets(rowptr: Tensor, num_edges: int) -> Tensor:
+    """The target row (int64) of every edge of the CSR rows ``rowptr``, in
+    CSR order; sized from ``num_edges``, without a host sync."""
+    num_dst = rowptr.numel() - 1
+    return torch.repeat_interleave(torch.arange(num_dst, device=rowptr.device),
+                                   (rowptr[1:] - rowptr[:-1]).long(), output_size=num_edges)
+
+
 def spmm(rowptr: Tensor, col: Tensor, weight: Optional[Tensor], dense: Tensor, num_src: int,
          transpose: bool) -> Tensor:
     """``A @ dense`` (``[num_dst, d]``) or, with ``transpose``, ``A^T @ dense``
@@ -63,11 +71,9 @@ def spmm(rowptr: Tensor, col: Tensor, weight: Optional[Tensor], dense: Tensor, n
     ``dense``'s dtype promoted with the edge values' (torch's rule)."""
     num_dst = rowptr.numel() - 1
     if dense.is_cuda and not float_atomics_allowed():
-        # cuSPARSE's products may add in atomics (the transposed one does);
+        # cuSPARSE's transposed product is not reproducible bit for bit;
         # torch's index_add_ sums in a fixed order under deterministic mode.
-        row = torch.repeat_interleave(torch.arange(num_dst, device=col.device),
-                                      (rowptr[1:] - rowptr[:-1]).long(),
-                                      output_size=col.numel())
+        row = edge_targets(rowptr, col.numel())
         if transpose:
             return edge_list_spmm(row, col, weight, dense, num_src)
         return edge_list_spmm(col, row, weight, dense, num_dst)
@@ -133,10 +139,7 @@ def sddmm(g: GraphOperands, values: Tensor, indices: Tensor, grad_out: Tensor) -
     if g.row is not None:  # an edge list, in its order
         row = g.row.long()
     else:
-        num_dst = g.rowptr.numel() - 1
-        row = torch.repeat_interleave(torch.arange(num_dst, device=grad_out.device),
-                                      (g.rowptr[1:] - g.rowptr[:-1]).long(),
-                                      output_size=num_edges)
+        row = edge_targets(g.rowptr, num_edges)
     col = g.col.long()
     grad_out = grad_out.to(dtype)
     out = torch.empty(num_edges, dtype=dtype, device=grad_out.device)
