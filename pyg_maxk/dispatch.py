@@ -82,6 +82,10 @@ LINEAR_MIN_ROWS = 1 << 15
 #: Rows below which the CPU adds a root term on the dense form (see
 #: :func:`dense_root_pays`).
 DENSE_ROOT_MAX_CPU_ROWS = 2048
+#: Multiply-adds of a dense linear map (``rows * dim * out``) from which the
+#: CPU linear kernels run a linear map of MaxK's output (see
+#: :func:`cbsr_linear_pays`).
+CBSR_LINEAR_MIN_CPU_WORK = 1 << 24
 
 _requested: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar(
     "pyg_maxk_backend", default=None)
@@ -261,19 +265,23 @@ def dense_root_pays(tensor: torch.Tensor) -> bool:
     return tensor.size(0) < limit
 
 
-def cbsr_linear_pays(tensor: torch.Tensor, dim: int, k: int) -> bool:
-    """Whether a linear map of MaxK's output (``k`` of ``dim`` entries kept
-    per row of ``tensor``) runs better as a CBSR linear op than as stock's
-    dense linear map of the dense form: where the CPU linear kernels run it
-    (``k * out`` multiply-adds per row against a GEMM's ``dim * out``, at
-    any size), else from :data:`LINEAR_MIN_ROWS` rows (below, a step is
-    bound by host time, of which torch's own autograd nodes spend less)."""
-    if tensor.size(0) >= LINEAR_MIN_ROWS:
+def cbsr_linear_pays(tensor: torch.Tensor, dim: int, k: int, out: int) -> bool:
+    """Whether a linear map ``dim -> out`` of MaxK's output (``k`` of ``dim``
+    entries kept per row of ``tensor``) runs better as a CBSR linear op than
+    as stock's dense linear map of the dense form. From
+    :data:`LINEAR_MIN_ROWS` rows, always. On the CPU, where its kernels run
+    it, also from :data:`CBSR_LINEAR_MIN_CPU_WORK` multiply-adds of the dense
+    map: they do ``k / dim`` of them, but below that the step is bound by the
+    op's fixed costs (its transposed weight, five kernels forward and
+    backward against three GEMMs). Elsewhere a small step is bound by host
+    time, of which torch's own autograd nodes spend less."""
+    rows = tensor.size(0)
+    if rows >= LINEAR_MIN_ROWS:
         return True
     # The device first: a GPU layer's trace under torch.compile then never
     # reaches the backend probe (Numba's driver checks are not traceable).
-    return tensor.device.type == "cpu" and choose("linear", tensor, dim=dim, k=k,
-                                                  large=False) == "cpu"
+    return (tensor.device.type == "cpu" and rows * dim * out >= CBSR_LINEAR_MIN_CPU_WORK
+            and choose("linear", tensor, dim=dim, k=k, large=False) == "cpu")
 
 
 _DECISIONS: Dict[Tuple, str] = {}

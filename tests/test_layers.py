@@ -375,16 +375,21 @@ def test_gin_root_term_scattered_under_autocast_or_other_dtypes():
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
-def test_sage_root_term_is_cbsr_where_the_cpu_kernels_run_it(backend, monkeypatch):
-    # The CPU linear kernels do k/dim of a GEMM's multiply-adds at any size;
-    # the torch backend's CBSR linear map is a GEMM of the dense form anyway.
+@pytest.mark.parametrize("large", [False, True])
+def test_sage_root_term_is_cbsr_where_the_cpu_kernels_run_it(backend, large, monkeypatch):
+    # The CPU linear kernels do k/dim of a GEMM's multiply-adds, which pays
+    # from CBSR_LINEAR_MIN_CPU_WORK of them (below, their fixed costs bind
+    # the step); the torch backend's CBSR linear map is a GEMM of the dense
+    # form anyway.
+    from pyg_maxk import dispatch
     from pyg_maxk.nn import sage_conv
     calls = _calls_of(monkeypatch, sage_conv, "cbsr_linear")
+    if large:  # the test's graph counts as large
+        monkeypatch.setattr(dispatch, "CBSR_LINEAR_MIN_CPU_WORK", N * F_IN * F_OUT)
     ei = random_edge_index(N, N, 50, seed=4)
     ours, stock = make_pair("sage")
     assert_same_as_stock(ours, stock, random_features(), (ei,), K, backend=backend)
-    assert bool(calls) == (backend == "cpu")
-
+    assert bool(calls) == (backend == "cpu" and large)
 
 
 def test_cbsr_root_decision_off_the_cpu_asks_no_backend(monkeypatch):
@@ -395,9 +400,9 @@ def test_cbsr_root_decision_off_the_cpu_asks_no_backend(monkeypatch):
     def probe(*args, **kwargs):
         raise AssertionError("the backend was asked")
     monkeypatch.setattr(dispatch, "choose", probe)
-    assert not dispatch.cbsr_linear_pays(torch.empty(16, 8, device="meta"), 8, 4)
+    assert not dispatch.cbsr_linear_pays(torch.empty(16, 8, device="meta"), 8, 4, 8)
     assert dispatch.cbsr_linear_pays(torch.empty(dispatch.LINEAR_MIN_ROWS, 8, device="meta"),
-                                     8, 4)
+                                     8, 4, 8)
 
 @pytest.mark.parametrize("hooked", [False, True])
 def test_sage_dense_root_accumulates_in_place_unless_hooked(hooked, monkeypatch):

@@ -110,9 +110,10 @@ class MaxKSAGEConv(MaxKConv):
     def cbsr_root_pays(self, x: Features) -> bool:
         """Whether the root term of ``x`` (``x_src`` as ``x_dst``) runs as a
         CBSR linear op (:func:`pyg_maxk.dispatch.cbsr_linear_pays`)."""
+        out = self.out_channels
         if isinstance(x, CBSR):
-            return cbsr_linear_pays(x.values, x.dim, x.k)
-        return cbsr_linear_pays(x, x.size(1), min(self.k, x.size(1)))
+            return cbsr_linear_pays(x.values, x.dim, x.k, out)
+        return cbsr_linear_pays(x, x.size(1), min(self.k, x.size(1)), out)
 
     def dense_sum_of_linears(self, agg: Tensor, dense: Tensor) -> Tensor:
         """``lin_l(agg) + lin_r(dense)``, shape ``[N, F_out]``: ``lin_r``'s
