@@ -6,6 +6,7 @@ import pyg_maxk
 from helpers import DEVICE, FORMS, ON_GPU, adjacency, random_edge_index
 from pyg_maxk import CSRGraph
 from pyg_maxk.graph.cache import _CACHE
+from pyg_maxk.graph.operands import GraphOperands, pack, unpack
 
 
 def _dense(graph):
@@ -172,6 +173,48 @@ def test_cpu_build_matches_the_sort_and_searches(order, dtype):
         assert graph.weight.dtype == dtype and torch.equal(graph.weight, expected)
         if edge_weight is None:
             assert torch.equal(graph.row_scale, inverse)
+        # Grouped by source as the CSR's own transpose groups it.
+        reference = CSRGraph.from_csr(graph.rowptr.clone(), graph.col.clone(),
+                                      graph.weight.clone(), (11, 8), dtype=dtype)
+        for got, want in zip(graph.transposed(), reference.transposed()):
+            assert torch.equal(got, want)
+        assert torch.equal(graph._transpose_order, reference._transpose_order)
+
+
+@pytest.mark.parametrize("normalization", ["sum", "mean", "gcn"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_a_cpu_graph_writes_its_arrays_into_the_operands_of_every_k(normalization, weighted,
+                                                                    monkeypatch):
+    # A CPU edge list's build writes the graph's arrays in place into the
+    # packed buffer that the ops read (no copy), and every k shares it (the
+    # CPU kernels read no work schedule, unless the simulator runs the CUDA
+    # kernels, as in this suite without a GPU); it equals packing the arrays.
+    from pyg_maxk.graph import csr
+    monkeypatch.setattr(csr, "_simulated_kernels", lambda: False)
+    sizes = (12, 12) if normalization == "gcn" else (12, 9)
+    ei = random_edge_index(*sizes, 60, seed=8)
+    weight = torch.rand(ei.size(1)) + 0.5 if weighted else None
+    graph = CSRGraph.from_adj(ei, sizes, edge_weight=weight, normalization=normalization,
+                              cache=False)
+    packed = graph.operands(4)
+    assert graph.operands(64) is packed and graph.has_operands(64)
+    views = unpack(*packed)
+    buffer = packed.index.untyped_storage().data_ptr()
+    for name in ("rowptr", "col", "weight", "row_scale"):
+        mine = getattr(graph, name)
+        assert (mine is None) == (getattr(views, name) is None), name
+        if mine is not None:
+            assert mine.untyped_storage().data_ptr() == buffer, name
+    reference, _ = pack(GraphOperands(graph.rowptr.clone(), graph.col.clone(),
+                                      _clone(graph.weight), _clone(graph.row_scale),
+                                      *[None] * 5, *map(_clone, graph.transposed())))
+    assert packed.layout == reference.layout
+    for got, want in zip(views, unpack(*reference)):
+        assert (got is None and want is None) or torch.equal(got, want)
+
+
+def _clone(t):
+    return None if t is None else t.clone()
 
 
 def test_cpu_build_names_the_first_node_out_of_range():

@@ -23,6 +23,7 @@ from .cache import _CACHE, fingerprint
 from .operands import (
     GraphOperands,
     PackedGraph,
+    allocate,
     layout_numel,
     pack,
     without_weights,
@@ -93,6 +94,51 @@ def _mean_on_cpu(rowptr: Tensor, weight: Optional[Tensor], num_edges: int,
     return values, inverse_degree
 
 
+def _csr_on_cpu(src: Tensor, dst: Tensor, edge_weight: Optional[Tensor],
+                size: Tuple[int, int], normalization: str, dtype: torch.dtype) -> "CSRGraph":
+    """The graph of a CPU edge list with its operands, in one kernel call
+    (:func:`~pyg_maxk.kernels.cpu.csr_of_edge_list`: range checks, both
+    groupings, the edge values) that writes every array in place into the
+    buffer the ops read: a new graph per batch is built on every step, and
+    a small one costs its host time, not its arithmetic."""
+    from ..kernels.cpu import csr_of_edge_list
+    num_src, num_dst = size
+    num_edges = dst.numel()
+    if normalization == "gcn" and edge_weight is None:
+        raise ValueError("gcn normalisation needs edge values")
+    index = torch.int32 if max(num_edges, num_src, num_dst) <= INT32_MAX else torch.int64
+    weighted, mean = edge_weight is not None, normalization == "mean"
+    values = dtype if weighted or mean else None
+    scales = dtype if mean and not weighted else None
+    buffer, layout, views = allocate(
+        (index, index, values, scales, None, None, None, None, None, index, index, values, None),
+        [num_dst, num_edges, 0, 0, num_src], dst.device)
+    order = torch.empty(num_edges, dtype=torch.int64)
+    order_t = torch.empty(num_edges, dtype=torch.int64)
+    unset = torch.empty(0, dtype=dtype).numpy()  # stands for an array not read
+    weight = edge_weight.detach().to(dtype).contiguous().numpy() if weighted else unset
+
+    def array(t: Optional[Tensor]):
+        return unset if t is None else t.numpy()
+    bad, is_target, is_sorted = csr_of_edge_list(
+        src.contiguous().numpy(), dst.contiguous().numpy(), weight, weighted, mean,
+        views.rowptr.numpy(), views.col.numpy(), order.numpy(), array(views.weight),
+        values is not None, array(views.row_scale), scales is not None,
+        views.colptr.numpy(), views.row_t.numpy(), array(views.weight_t), order_t.numpy())
+    if bad >= 0:
+        what, bound, node = (("target", num_dst, dst[bad]) if is_target
+                             else ("source", num_src, src[bad]))
+        raise IndexError(f"edge_index holds {what} node {int(node)}, outside [0, {bound}) "
+                         f"for {bound} {what} nodes")
+    graph = CSRGraph(views.rowptr, views.col, views.weight, size, normalization,
+                     views.row_scale)
+    graph.edge_order = None if is_sorted else order
+    graph._transposed = (views.colptr, views.row_t, views.weight_t)
+    graph._transpose_order = order_t
+    graph._unscheduled = PackedGraph(buffer, None, None, layout)
+    return graph
+
+
 class CSRGraph:
     r"""A sparse adjacency in CSR form, row = target node.
 
@@ -137,6 +183,9 @@ class CSRGraph:
         self._schedules: Dict[int, WorkSchedule] = {}
         self._transposed: Optional[Tuple[Tensor, Tensor, Optional[Tensor]]] = None
         self._operands: Dict[int, PackedGraph] = {}
+        #: The operands of a graph whose kernels read no work schedule (the
+        #: CPU's), which every ``k`` shares.
+        self._unscheduled: Optional[PackedGraph] = None
         self._bounded: set = set()  # keys of _operands built with a bounded schedule
         self._cache_hits = 0
         self._static = False  # operands marked as static inputs (prepare)
@@ -287,10 +336,13 @@ class CSRGraph:
                                  weight.detach().index_select(0, self._transpose_order))
             graph._transpose_order = self._transpose_order
         graph._bounded = set(self._bounded)
-        for max_edges, ops in self._operands.items():
+
+        def reweighted(ops: PackedGraph) -> PackedGraph:
             weight_t = None if layout_numel(ops.layout, "row_t") < 0 else graph._transposed[2]
-            graph._operands[max_edges] = PackedGraph(ops.index, weight, weight_t,
-                                                     without_weights(ops.layout))
+            return PackedGraph(ops.index, weight, weight_t, without_weights(ops.layout))
+        graph._operands = {max_edges: reweighted(ops) for max_edges, ops in self._operands.items()}
+        if self._unscheduled is not None:
+            graph._unscheduled = reweighted(self._unscheduled)
         return graph
 
     def operands(self, k: int) -> PackedGraph:
@@ -355,24 +407,30 @@ class CSRGraph:
         self._static = True
 
     def _build_operands(self, max_edges: int, bounded: bool = False) -> PackedGraph:
-        colptr = row_t = weight_t = None
-        items = [None] * 5
-        if self.device.type == "cpu":
-            colptr, row_t, weight_t = self.transposed()
-        if self.device.type != "cpu" or _simulated_kernels():
+        if self.device.type == "cpu" and not _simulated_kernels():
+            # The CPU kernels read no work schedule: one buffer for every k.
+            if self._unscheduled is None:
+                self._unscheduled = self._pack(max_edges, [None] * 5, *self.transposed())
+            packed = self._unscheduled
+        else:
+            transposed = self.transposed() if self.device.type == "cpu" else (None,) * 3
             schedule = self.schedule(max_edges, bounded)
-            items = [schedule.row, schedule.start, schedule.end, schedule.split,
-                     schedule.zeroed_rows]
-        operands = GraphOperands(self.rowptr, self.kernel_col(), self.weight, self.row_scale,
-                                 *items, colptr, row_t, weight_t)
-        packed, views = pack(operands)
-        if set(self._operands) <= {max_edges}:
-            self._hold_views(operands, views)
+            packed = self._pack(max_edges, [schedule.row, schedule.start, schedule.end,
+                                            schedule.split, schedule.zeroed_rows], *transposed)
         self._operands[max_edges] = packed
         if bounded:
             self._bounded.add(max_edges)
         else:
             self._bounded.discard(max_edges)
+        return packed
+
+    def _pack(self, max_edges: int, items: list, colptr: Optional[Tensor],
+              row_t: Optional[Tensor], weight_t: Optional[Tensor]) -> PackedGraph:
+        operands = GraphOperands(self.rowptr, self.kernel_col(), self.weight, self.row_scale,
+                                 *items, colptr, row_t, weight_t)
+        packed, views = pack(operands)
+        if set(self._operands) <= {max_edges}:
+            self._hold_views(operands, views)
         return packed
 
     def _hold_views(self, packed_from: GraphOperands, views: GraphOperands) -> None:
@@ -436,6 +494,8 @@ class CSRGraph:
         edge_index = plain(edge_index)
         num_src, num_dst = size
         src, dst = edge_index[0], edge_index[1]
+        if dst.device.type == "cpu" and dtype in CPU_DTYPES:
+            return _csr_on_cpu(src, dst, edge_weight, size, normalization, dtype)
         if dst.device.type == "cpu":
             rowptr, col, perm = _group_on_cpu(src, dst, num_src, num_dst)
             return cls._from_grouped(rowptr, col, perm, edge_weight, size, normalization, dtype)

@@ -3,7 +3,7 @@ into one byte buffer as the custom ops take them (:class:`PackedGraph`),
 and the views that give them back (:func:`unpack`)."""
 from __future__ import annotations
 
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -116,47 +116,81 @@ def _layout_sizes(g: GraphOperands) -> List[int]:
             length(g.colptr, 1)]
 
 
+_Placement = List[Tuple[int, int, int, torch.dtype]]  # (field, offset, bytes, type)
+
+
+def _placement(dtypes: Sequence[Optional[torch.dtype]], sizes: List[int]
+               ) -> Tuple[int, _Placement, int]:
+    """``(flags, placement, bytes)`` of a buffer of the fields whose type is
+    given in ``dtypes`` (None: absent), with lengths from ``sizes``."""
+    flags = 0
+    fields: _Placement = []
+    offset = 0
+    for i, dtype in enumerate(dtypes):
+        if dtype is None:
+            continue
+        size, plus = _FIELD_LENGTHS[i]
+        flags |= _TYPE_CODES[dtype] << (_TYPE_BITS * i)
+        nbytes = (sizes[size] + plus) * dtype.itemsize
+        fields.append((i, offset, nbytes, dtype))
+        offset += _padded(nbytes)
+    return flags, fields, offset
+
+
+def _attach_views(buffer: Tensor, flags: int, fields: _Placement) -> GraphOperands:
+    """The views of ``buffer``'s fields, kept on the buffer itself:
+    :func:`unpack`'s eager shortcut, alive exactly as long as the buffer
+    (they hold its storage, not the buffer)."""
+    found: List[Optional[Tensor]] = [None] * len(GRAPH_FIELDS)
+    for i, at, nbytes, dtype in fields:
+        found[i] = buffer[at:at + nbytes].view(dtype)
+    views = GraphOperands(*found)
+    setattr(buffer, _VIEWS_ATTR, _Views(views, flags))
+    return views
+
+
+def allocate(dtypes: Sequence[Optional[torch.dtype]], sizes: List[int],
+             device: torch.device) -> Tuple[Tensor, List[int], GraphOperands]:
+    """An unset buffer for the fields of :data:`GRAPH_FIELDS` whose type is
+    given in ``dtypes`` (None: absent), with lengths from ``sizes``
+    (:data:`LAYOUT_SIZES`): ``(buffer, layout, views)``, the views being the
+    fields to write. A graph built on the CPU writes its arrays there in
+    place, with no copy into a buffer afterwards."""
+    flags, fields, nbytes = _placement(dtypes, sizes)
+    buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return buffer, [flags, *sizes], _attach_views(buffer, flags, fields)
+
+
 def pack(g: GraphOperands) -> Tuple[PackedGraph, GraphOperands]:
     """``g`` copied into one buffer, and the views of it that :func:`unpack`
     gives (equal to ``g``'s arrays). Edge values that need a gradient stay
     apart (a copy would cut them off from it)."""
     learnable = [t is not None and t.requires_grad for t in (g.weight, g.weight_t)]
     sizes = _layout_sizes(g)
-    flags = 0
-    pieces: List[Tensor] = []
-    fields: List[Tuple[int, int, int, torch.dtype]] = []  # (field, offset, bytes, type)
-    offset = 0
-    # Bytes that pad each array to PACK_ALIGN; never read, so left unset.
-    padding = torch.empty(PACK_ALIGN, dtype=torch.uint8, device=g.col.device)
+    dtypes: List[Optional[torch.dtype]] = []
     for i, a in enumerate(g):
         if a is None or (i in _WEIGHT_FIELDS and learnable[_WEIGHT_FIELDS.index(i)]):
+            dtypes.append(None)
             continue
         size, plus = _FIELD_LENGTHS[i]
         if a.numel() != sizes[size] + plus:
             raise ValueError(f"{GRAPH_FIELDS[i]} has {a.numel()} entries, "
                              f"not {sizes[size] + plus}")
-        flags |= _TYPE_CODES[a.dtype] << (_TYPE_BITS * i)
-        nbytes = a.numel() * a.element_size()
-        padded = _padded(nbytes)
-        if a.requires_grad:
-            a = a.detach()
-        pieces.append(a.contiguous().view(torch.uint8))  # every field is one-dimensional
-        if padded > nbytes:
-            pieces.append(padding[:padded - nbytes])
-        fields.append((i, offset, nbytes, a.dtype))
-        offset += padded
+        dtypes.append(a.dtype)
+    flags, fields, _ = _placement(dtypes, sizes)
+    # Bytes that pad each array to PACK_ALIGN; never read, so left unset.
+    padding = torch.empty(PACK_ALIGN, dtype=torch.uint8, device=g.col.device)
+    pieces: List[Tensor] = []
+    for i, _, nbytes, _ in fields:
+        pieces.append(g[i].detach().contiguous().view(torch.uint8))  # every field is 1-D
+        if _padded(nbytes) > nbytes:
+            pieces.append(padding[:_padded(nbytes) - nbytes])
     # One copy of every array (a new graph per batch is built on every step,
     # and each launch there costs host time).
     buffer = torch.cat(pieces) if pieces else padding[:0].clone()
+    views = _attach_views(buffer, flags, fields)
     packed = PackedGraph(buffer, g.weight if learnable[0] else None,
                          g.weight_t if learnable[1] else None, [flags, *sizes])
-    found: List[Optional[Tensor]] = [None] * len(GRAPH_FIELDS)
-    for i, at, nbytes, dtype in fields:
-        found[i] = buffer[at:at + nbytes].view(dtype)
-    views = GraphOperands(*found)
-    # The views live on the buffer itself: unpack's eager shortcut, alive
-    # exactly as long as the buffer (they hold its storage, not the buffer).
-    setattr(buffer, _VIEWS_ATTR, _Views(views, flags))
     return packed, _with_weights(views, packed.weight, packed.weight_t)
 
 
