@@ -31,7 +31,12 @@ checked against eager first. On a GPU also the host syncs
 kernel launches per step. On a CPU, denormal floats are flushed to zero
 on both sides, as in ``train.py``.
 
-Writes ``benchmarks/results/overhead[-tiny].json`` and ``.png``.
+With ``--small`` the step tables run on a host-bound graph instead: 200
+nodes, about 780 edges, 64 features, two convs 64 wide, MaxK k=16 (the size of
+a mini-batch of small graphs, where a step's time is host time on a CPU
+too); the op table is left out.
+
+Writes ``benchmarks/results/overhead[-tiny][-small].json`` and ``.png``.
 """
 from __future__ import annotations
 
@@ -44,6 +49,7 @@ import traceback
 import types
 import warnings
 from pathlib import Path
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -106,6 +112,8 @@ def main(argv=None):
                    help="run every backward on the calling thread, both sides "
                         "(torch.autograd.set_multithreading_enabled(False)), not on "
                         "autograd's device thread")
+    p.add_argument("--small", action="store_true",
+                   help="step tables only, on a host-bound graph (module docs)")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
     dev = torch.device("cpu" if args.tiny else "cuda")
@@ -114,6 +122,41 @@ def main(argv=None):
     backend = "cpu" if args.tiny else "numba"
     results = {"backend": backend,
                "backward_thread": "calling" if args.backward_on_calling_thread else "device"}
+    if not args.small:
+        results.update(op_host_us(dev, backend))
+    shape = SMALL if args.small else StepShape("cora-like", 0.2 if args.tiny else 1.0, None,
+                                               256, 32)
+    results["step_shape"] = shape._asdict()
+    results["steps"] = small_graph_steps(dev, backend, shape,
+                                         rounds=args.rounds or (3 if args.tiny else 30),
+                                         in_blocks=args.blocks)
+    results["timing"] = "blocks of 5 steps" if args.blocks else "each step"
+    if not args.tiny and not args.small:
+        results.update(profile_reddit(dev))
+    name = "overhead" + ("-tiny" if args.tiny else "") + ("-small" if args.small else "")
+    payload = {"benchmark": "overhead", "environment": environment(dev), **results}
+    save(name, payload, Path(args.out),
+         lambda path, hw: plot_steps(payload["steps"], shape, hw, path))
+
+
+class StepShape(NamedTuple):
+    """The graph and model of the step tables: a preset's shape (``scale``
+    times its nodes and edges; ``features`` in place of its own where set),
+    two convs ``width`` wide, MaxK's ``k``."""
+    preset: str
+    scale: float
+    features: Optional[int]
+    width: int
+    k: int
+
+
+#: ``--small``: 200 nodes and about 780 edges (Cora's shape, scaled), 64 features, 64 wide.
+SMALL = StepShape("cora-like", 200 / 2708, 64, 64, 16)
+
+
+def op_host_us(dev, backend: str) -> dict:
+    """Host µs per call of each op (and of stock's ops) on a 1,000-node graph."""
+    results = {}
     ei = power_law_edge_index(1000, 5000, seed=0, device=dev)
     g = CSRGraph.from_adj(ei, (1000, 1000), normalization="mean")
     x = torch.randn(1000, 256, device=dev)
@@ -130,15 +173,7 @@ def main(argv=None):
     results["host_us_torch_sparse_spmm"] = host_us(
         lambda: torch.sparse.mm(g.torch_csr(torch.float32), x), dev)
     print({k: v for k, v in results.items() if k.startswith("host")}, flush=True)
-    results["steps"] = small_graph_steps(dev, backend, scale=0.2 if args.tiny else 1.0,
-                                         rounds=args.rounds or (3 if args.tiny else 30),
-                                         in_blocks=args.blocks)
-    results["timing"] = "blocks of 5 steps" if args.blocks else "each step"
-    if not args.tiny:
-        results.update(profile_reddit(dev))
-    name = "overhead-tiny" if args.tiny else "overhead"
-    payload = {"benchmark": "overhead", "environment": environment(dev), **results}
-    save(name, payload, Path(args.out), lambda path, hw: plot_steps(payload["steps"], hw, path))
+    return results
 
 
 def forward_backward_host_us(g, x, dev) -> dict:
@@ -263,11 +298,13 @@ def kernel_launches(step) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def small_graph_steps(dev, backend: str, scale: float, rounds: int,
+def small_graph_steps(dev, backend: str, shape: StepShape, rounds: int,
                       in_blocks: bool = False) -> dict:
-    """MaxK against stock training steps on a Cora-sized graph (module docs)."""
-    data = preset_dataset("cora-like", scale=scale, seed=0).to(dev)
+    """MaxK against stock training steps on a small graph (module docs)."""
+    data = preset_dataset(shape.preset, scale=shape.scale, seed=0).to(dev)
     x, y, n = data.x, data.y, data.num_nodes
+    if shape.features is not None:
+        x = x[:, :shape.features].contiguous()
     ei = data.edge_index[:, data.edge_index[1].argsort(stable=True)]
     classes = int(data.num_classes)
     stock_forms = {"edge_index": ei, "csr": adjacency("csr", ei, n)}
@@ -281,18 +318,19 @@ def small_graph_steps(dev, backend: str, scale: float, rounds: int,
     for kind, cls in STEP_MODELS.items():
         def model(k):
             torch.manual_seed(0)
-            return cls(x.size(1), 256, 2, classes, k=k).to(dev)
+            return cls(x.size(1), shape.width, 2, classes, k=k).to(dev)
         for scenario in scenarios:
             with pyg_maxk.use_backend(backend):
-                steps = _scenario_steps(scenario, kind, model, x, ei, y, stock_forms)
+                steps = _scenario_steps(scenario, kind, model, shape.k, x, ei, y, stock_forms)
                 times = time_interleaved(steps, dev, rounds=rounds, per_round=5, warmup=5,
                                          in_blocks=in_blocks)
-                entry = {"times": times}
+                entry = {"times": times, "nodes": n}
                 stock = {name: t["median_ms"] for name, t in times.items()
                          if name.startswith("stock")}
                 fastest = min(stock, key=stock.get)
                 entry["fastest_stock"] = fastest[len("stock "):]
-                entry["speedup"] = paired_speedup(times[fastest], times["maxk k=32"])
+                maxk = maxk_label(shape.k)
+                entry["speedup"] = paired_speedup(times[fastest], times[maxk])
                 floor = f"{NO_MESSAGE_PASSING} {entry['fastest_stock']}"
                 if floor in times:
                     # What removing every aggregation of the fastest stock
@@ -301,36 +339,42 @@ def small_graph_steps(dev, backend: str, scale: float, rounds: int,
                     # normalisation, which stays in this step).
                     entry["speedup_without_message_passing"] = paired_speedup(
                         times[fastest], times[floor])
-                if MAXK_EAGER in times:
-                    entry["compiled_over_eager"] = paired_speedup(times[MAXK_EAGER],
-                                                                  times["maxk k=32"])
+                if maxk + EAGER in times:
+                    entry["compiled_over_eager"] = paired_speedup(times[maxk + EAGER],
+                                                                  times[maxk])
                 if dev.type == "cuda":
                     for name, step in steps.items():
                         entry.setdefault("syncs", {})[name] = host_syncs(step)
                         entry.setdefault("launches", {})[name] = kernel_launches(step)
             table[f"{kind} {scenario}"] = entry
-            _print_step(kind, scenario, entry, stock[fastest])
+            _print_step(kind, scenario, entry, stock[fastest], maxk)
             if scenario.startswith("compiled"):
                 torch._dynamo.reset()  # the next models compile afresh
     return table
 
 
-#: The eager MaxK step timed beside the compiled ones.
-MAXK_EAGER = "maxk k=32 eager"
+def maxk_label(k: int) -> str:
+    """The MaxK step's name in the tables."""
+    return f"maxk k={k}"
 
 
-def _scenario_steps(scenario: str, kind: str, model, x, ei, y, stock_forms: dict) -> dict:
+#: The suffix of the eager MaxK step timed beside the compiled ones.
+EAGER = " eager"
+
+
+def _scenario_steps(scenario: str, kind: str, model, k: int, x, ei, y,
+                    stock_forms: dict) -> dict:
     """The steps timed together in ``scenario``: MaxK's first."""
+    maxk = maxk_label(k)
     if scenario.startswith("compiled"):
         mode = scenario[len("compiled "):]
-        graph = prepared_graph(kind, ei, x.size(0), 32)
-        return {"maxk k=32": _compiled_train_step(model(32), x, graph, y, mode),
+        graph = prepared_graph(kind, ei, x.size(0), k)
+        return {maxk: _compiled_train_step(model(k), x, graph, y, mode),
                 f"stock edge_index compiled {mode}": _compiled_train_step(
                     model(None), x, ei, y, mode),
-                MAXK_EAGER: _train_step(model(32), x, lambda: graph, y)}
+                maxk + EAGER: _train_step(model(k), x, lambda: graph, y)}
     new = scenario == "new graph"
-    steps = {"maxk k=32": _train_step(model(32), x, (lambda: ei.clone()) if new
-                                       else (lambda: ei), y)}
+    steps = {maxk: _train_step(model(k), x, (lambda: ei.clone()) if new else (lambda: ei), y)}
     for form, adj in stock_forms.items():
         if new and form != "edge_index":
             continue
@@ -342,11 +386,11 @@ def _scenario_steps(scenario: str, kind: str, model, x, ei, y, stock_forms: dict
     return steps
 
 
-def _print_step(kind: str, scenario: str, entry: dict, stock_ms: float) -> None:
+def _print_step(kind: str, scenario: str, entry: dict, stock_ms: float, maxk: str) -> None:
     times, s = entry["times"], entry["speedup"]
     bound = entry.get("speedup_without_message_passing")
     eager = entry.get("compiled_over_eager")
-    line = (f"{kind:4s} {scenario:24s}: MaxK {times['maxk k=32']['median_ms']:.3f} ms, "
+    line = (f"{kind:4s} {scenario:24s}: MaxK {times[maxk]['median_ms']:.3f} ms, "
             f"stock {entry['fastest_stock']} {stock_ms:.3f} ms: "
             f"{s['speedup']:.2f}x ({s['ci95'][0]:.2f}-{s['ci95'][1]:.2f})")
     if bound:
@@ -355,13 +399,13 @@ def _print_step(kind: str, scenario: str, entry: dict, stock_ms: float) -> None:
         line += f"; MaxK compiled over eager {eager['speedup']:.2f}x"
     if "syncs" in entry:
         stock = "stock " + entry["fastest_stock"]
-        line += (f"; syncs {entry['syncs']['maxk k=32']['count']} vs "
+        line += (f"; syncs {entry['syncs'][maxk]['count']} vs "
                  f"{entry['syncs'][stock]['count']}, launches "
-                 f"{entry['launches']['maxk k=32']} vs {entry['launches'][stock]}")
+                 f"{entry['launches'][maxk]} vs {entry['launches'][stock]}")
     print(line, flush=True)
 
 
-def plot_steps(steps: dict, hardware: str, path) -> None:
+def plot_steps(steps: dict, shape: StepShape, hardware: str, path) -> None:
     plt = pyplot()
     if plt is None:
         return
@@ -382,7 +426,9 @@ def plot_steps(steps: dict, hardware: str, path) -> None:
     names = [f"{label}\n(stock {steps[label]['fastest_stock']})" for label in labels]
     ax.set_xticks(range(len(labels)), names, rotation=30, ha="right", fontsize=7)
     ax.set_ylabel("MaxK speedup over the fastest stock form")
-    ax.set_title(f"Cora-sized training step, k=32: {hardware}")
+    nodes = next(iter(steps.values()))["nodes"]
+    ax.set_title(f"{nodes}-node training step, 2 x {shape.width}, k={shape.k}: {hardware}",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
