@@ -150,6 +150,31 @@ def test_eager_calls_match_the_dispatcher(backend):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=op.name)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dispatched_calls_without_autograd_run_the_implementation_once(backend, monkeypatch):
+    # What compiled code calls at run time (no input needing a gradient,
+    # plain tensors): the implementation straight from the autograd kernel,
+    # without dispatching again below autograd; with fake tensors, the
+    # second dispatch, to the fake implementation.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    redispatched = []
+    original = torch._ops.OpOverload.redispatch
+    monkeypatch.setattr(torch._ops.OpOverload, "redispatch",
+                        lambda self, *a, **kw: redispatched.append(1) or original(self, *a, **kw))
+    for op, args in op_cases(backend):
+        plain = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+        out = op.op(*plain)
+        expected = op.impl(*plain)
+        for got, want in zip(*(o if isinstance(o, tuple) else (o,) for o in (out, expected))):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=op.name)
+        assert not redispatched, op.name
+        with FakeTensorMode() as mode:
+            fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in plain]
+            op.op(*fake)
+        assert redispatched, op.name
+        redispatched.clear()
+
+
 def test_the_requested_backend_travels_with_the_backward():
     # The backward runs the forward's choice, even where autograd runs it on
     # another thread (whose ContextVar holds no override).

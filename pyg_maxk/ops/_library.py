@@ -87,9 +87,8 @@ class KernelOp:
         self.function = None
         # An op without autograd (a backward's own) gets one that raises: the
         # dispatcher's default would drop its terms from a double backward.
-        torch.library.register_autograd(
-            qualname, backward or _no_autograd_formula(qualname),
-            setup_context=setup_context or _nothing_to_save, lib=_LIBRARY)
+        _register_autograd(name, self.op, impl, backward or _no_autograd_formula(qualname),
+                           setup_context or _nothing_to_save)
         if backward is not None:
 
             def forward(ctx, *args):
@@ -133,6 +132,36 @@ class KernelOp:
 
 
 _PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
+
+
+def _register_autograd(name: str, op, impl: Callable, backward: Callable,
+                       setup_context: Callable) -> None:
+    """:func:`torch.library.register_autograd`'s kernel for ``op``, which
+    calls ``impl`` itself where no input needs a gradient and every tensor
+    is a plain one with no dispatch mode active: what compiled code's calls
+    are at run time (AOTAutograd runs its graphs without autograd). There
+    torch's kernel would dispatch the call again below autograd, a second
+    trip through the dispatcher and its Python layers on every call. Fake
+    tensors, functionalization and tracing modes still take that trip, to
+    the fake implementation; an input that needs a gradient takes torch's
+    kernel (its autograd Function). Torch's kernel alone where its builder
+    is missing."""
+    try:
+        from torch._library.autograd import Info, make_autograd_impl
+        general = make_autograd_impl(op, Info(backward, setup_context))
+    except (ImportError, AttributeError, TypeError):
+        torch.library.register_autograd(f"pyg_maxk::{name}", backward,
+                                        setup_context=setup_context, lib=_LIBRARY)
+        return
+    any_requires_grad = torch._C._any_requires_grad
+
+    def kernel(keyset, *args):
+        if not (torch.is_grad_enabled() and any_requires_grad(*args)) \
+                and _get_current_dispatch_mode() is None \
+                and all(type(a) in _PLAIN_TENSORS for a in args if isinstance(a, Tensor)):
+            return impl(*args)
+        return general(keyset, *args)
+    _LIBRARY.impl(name, kernel, "Autograd", with_keyset=True)
 
 
 def _no_autograd_formula(qualname: str) -> Callable:
