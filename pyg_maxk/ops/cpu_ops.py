@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -50,11 +51,28 @@ def gather_at(dense: Tensor, indices: Tensor) -> Tensor:
     return out
 
 
+#: Arrays that stand for an input a kernel is told not to read, by dtype
+#: (edge values of an unweighted graph, a gradient that is absent): one
+#: array per type, not an allocation per call.
+_UNREAD_1D = {torch.float32: np.zeros(1, np.float32), torch.float64: np.zeros(1, np.float64)}
+_UNREAD_2D = {dtype: a.reshape(1, 1) for dtype, a in _UNREAD_1D.items()}
+
+
 def _weight(weight: Optional[Tensor], dtype: torch.dtype, like: Tensor):
     """(edge values as a numpy array of ``dtype``, whether they are real)."""
     if weight is None:
-        return like.new_empty(1, dtype=dtype).numpy(), False
+        unread = _UNREAD_1D.get(dtype)
+        return (like.new_empty(1, dtype=dtype).numpy() if unread is None else unread), False
     return weight.detach().to(dtype).contiguous().numpy(), True
+
+
+def _given(t: Optional[Tensor], dtype: torch.dtype, like: Tensor):
+    """``t`` as a numpy array, or an array of ``dtype`` that stands for it
+    where it is absent."""
+    if t is not None:
+        return t.detach().contiguous().numpy()
+    unread = _UNREAD_2D.get(dtype)
+    return like[:1].numpy() if unread is None else unread
 
 
 def spgemm(g: GraphOperands, values: Tensor, indices: Tensor, num_dst: int,
@@ -105,13 +123,11 @@ def maxk_input_grad(g: GraphOperands, indices: Tensor, grad_agg: Optional[Tensor
     grad_x = torch.empty(indices.size(0), dim, dtype=dtype)           # [num_src, dim]
     if grad_x.numel() == 0:
         return grad_x
-    placeholder = grad_x[:1]
     weight, weighted = _weight(g.weight_t, dtype, grad_x)
-    arrays = [placeholder if t is None else t.detach().contiguous()
-              for t in (grad_agg, grad_values, grad_dense)]
     kernels.input_grad_rows(g.colptr.numpy(), g.row_t.numpy(), weight, weighted,
-                            indices.contiguous().numpy(), arrays[0].numpy(), grad_agg is not None,
-                            arrays[1].numpy(), grad_values is not None, arrays[2].numpy(),
+                            indices.contiguous().numpy(), _given(grad_agg, dtype, grad_x),
+                            grad_agg is not None, _given(grad_values, dtype, grad_x),
+                            grad_values is not None, _given(grad_dense, dtype, grad_x),
                             grad_dense is not None, grad_x.numpy())
     return grad_x
 
