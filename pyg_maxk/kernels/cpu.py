@@ -204,71 +204,30 @@ def group_by_target(src, dst, num_src, rowptr, col, order):
 def csr_of_edge_list(src, dst, weight, has_weight, mean, rowptr, col, order, values,
                      has_values, row_scale, has_row_scale, colptr, row_t, values_t, order_t):
     """A new graph's every array from its edge list ``src[e] -> dst[e]`` in
-    one call: the CSR grouped by target (``rowptr``, ``col``, and ``order``,
-    each grouped edge's position in the list), its edge values (``values``,
-    CSR order: ``weight`` (where ``has_weight``) times one over the target's
-    in-degree (where ``mean``, as :func:`mean_edge_values` computes it, whose
-    reciprocals go to ``row_scale`` where ``has_row_scale``), written where
-    ``has_values``), and the same graph grouped by source, as
-    :func:`transpose_rows` gives it (``colptr``, ``row_t``, ``order_t``:
-    each source-grouped edge's CSR position, ``values_t``). Both groupings
-    are counting sorts that keep the list's order within a group.
+    one call: the CSR of :func:`group_by_target` (``rowptr``, ``col``,
+    ``order``), its edge values in CSR order (``values``, written where
+    ``has_values``: ``weight`` where ``has_weight``, divided by the target's
+    in-degree where ``mean``, as :func:`mean_edge_values` divides, whose
+    reciprocals go to ``row_scale`` where ``has_row_scale``), and the graph
+    grouped by source as :func:`transpose_rows` groups it (``colptr``,
+    ``row_t``, ``order_t``) with its edge values (``values_t``).
 
     Returns ``(bad, is_target, is_sorted)`` as :func:`group_by_target`
-    (``order`` is left unset where the list was sorted by target)."""
-    num_dst = rowptr.shape[0] - 1
-    num_src = colptr.shape[0] - 1
-    rowptr[:] = 0
-    colptr[:] = 0
-    is_sorted = True
-    previous = 0
-    for e in range(dst.shape[0]):
-        s, d = src[e], dst[e]
-        if s < 0 or s >= num_src:
-            return e, False, False
-        if d < 0 or d >= num_dst:
-            return e, True, False
-        is_sorted = is_sorted and d >= previous
-        previous = d
-        rowptr[d + 1] += 1
-        colptr[s + 1] += 1
-    for r in range(num_dst):
-        rowptr[r + 1] += rowptr[r]
-    for c in range(num_src):
-        colptr[c + 1] += colptr[c]
-    if is_sorted:
-        for e in range(src.shape[0]):
-            col[e] = src[e]
-            if has_weight:
-                values[e] = weight[e]
-    else:
-        cursor = rowptr[:num_dst].copy()
-        for e in range(dst.shape[0]):
-            d = dst[e]
-            at = cursor[d]
-            cursor[d] = at + 1
-            col[at] = src[e]
-            order[at] = e
-            if has_weight:
-                values[at] = weight[e]
+    (then nothing else is written)."""
+    bad, is_target, is_sorted = group_by_target(src, dst, colptr.shape[0] - 1, rowptr, col,
+                                                order)
+    if bad >= 0:
+        return bad, is_target, is_sorted
+    if has_weight:
+        for i in range(col.shape[0]):
+            values[i] = weight[i] if is_sorted else weight[order[i]]
     if mean:
-        scales = row_scale if has_row_scale else np.empty(num_dst, values.dtype)
-        for r in range(num_dst):
-            start, end = rowptr[r], rowptr[r + 1]
-            scales[r] = 1.0 / max(end - start, 1)
-            scale = scales[r]
-            for e in range(start, end):
-                values[e] = values[e] * scale if has_weight else scale
-    cursor_t = colptr[:num_src].copy()
-    for r in range(num_dst):
-        for e in range(rowptr[r], rowptr[r + 1]):
-            c = col[e]
-            at = cursor_t[c]
-            cursor_t[c] = at + 1
-            row_t[at] = r
-            order_t[at] = e
-            if has_values:
-                values_t[at] = values[e]
+        scales = row_scale if has_row_scale else np.empty(rowptr.shape[0] - 1, values.dtype)
+        mean_edge_values(rowptr, values, has_weight, scales, values)
+    transpose_rows(rowptr, col, colptr, row_t, order_t)  # every source is in range
+    if has_values:
+        for i in range(col.shape[0]):
+            values_t[i] = values[order_t[i]]
     return -1, False, is_sorted
 
 
