@@ -182,7 +182,8 @@ def pack(g: GraphOperands) -> Tuple[PackedGraph, GraphOperands]:
     padding = torch.empty(PACK_ALIGN, dtype=torch.uint8, device=g.col.device)
     pieces: List[Tensor] = []
     for i, _, nbytes, _ in fields:
-        pieces.append(g[i].detach().contiguous().view(torch.uint8))  # every field is 1-D
+        a = g[i] if not g[i].requires_grad else g[i].detach()
+        pieces.append(a.contiguous().view(torch.uint8))  # every field is one-dimensional
         if _padded(nbytes) > nbytes:
             pieces.append(padding[:_padded(nbytes) - nbytes])
     # One copy of every array (a new graph per batch is built on every step,
