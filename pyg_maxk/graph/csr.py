@@ -57,6 +57,18 @@ def _transpose_on_cpu(rowptr: Tensor, col: Tensor, num_src: int
     return colptr, row, order
 
 
+def _raise_out_of_range(src: Tensor, dst: Tensor, num_src: int, num_dst: int, bad: int,
+                        is_target: bool) -> None:
+    """The error for edge ``bad`` of a CPU edge list, whose source (or, with
+    ``is_target``, target) the grouping kernel found out of range."""
+    if is_target:
+        what, bound, node = "target", num_dst, dst[bad]
+    else:
+        what, bound, node = "source", num_src, src[bad]
+    raise IndexError(f"edge_index holds {what} node {int(node)}, outside [0, {bound}) "
+                     f"for {bound} {what} nodes")
+
+
 def _group_on_cpu(src: Tensor, dst: Tensor, num_src: int, num_dst: int
                   ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     """``(rowptr, col, order or None)`` of a CPU edge list grouped by target
@@ -74,10 +86,7 @@ def _group_on_cpu(src: Tensor, dst: Tensor, num_src: int, num_dst: int
         src.contiguous().numpy(), dst.contiguous().numpy(), num_src, rowptr.numpy(),
         col.numpy(), order.numpy())
     if bad >= 0:
-        what, bound, node = (("target", num_dst, dst[bad]) if is_target
-                             else ("source", num_src, src[bad]))
-        raise IndexError(f"edge_index holds {what} node {int(node)}, outside [0, {bound}) "
-                         f"for {bound} {what} nodes")
+        _raise_out_of_range(src, dst, num_src, num_dst, bad, is_target)
     return rowptr, col, None if is_sorted else order
 
 
@@ -126,10 +135,7 @@ def _csr_on_cpu(src: Tensor, dst: Tensor, edge_weight: Optional[Tensor],
         values is not None, array(views.row_scale), scales is not None,
         views.colptr.numpy(), views.row_t.numpy(), array(views.weight_t), order_t.numpy())
     if bad >= 0:
-        what, bound, node = (("target", num_dst, dst[bad]) if is_target
-                             else ("source", num_src, src[bad]))
-        raise IndexError(f"edge_index holds {what} node {int(node)}, outside [0, {bound}) "
-                         f"for {bound} {what} nodes")
+        _raise_out_of_range(src, dst, num_src, num_dst, bad, is_target)
     graph = CSRGraph(views.rowptr, views.col, views.weight, size, normalization,
                      views.row_scale)
     graph.edge_order = None if is_sorted else order
