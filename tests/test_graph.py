@@ -183,7 +183,7 @@ def test_cpu_build_matches_the_sort_and_searches(order, dtype):
 
 @pytest.mark.parametrize("normalization", ["sum", "mean", "gcn"])
 @pytest.mark.parametrize("weighted", [False, True])
-def test_a_cpu_graph_writes_its_arrays_into_the_operands_of_every_k(normalization, weighted,
+def test_a_cpu_graph_writes_its_arrays_into_operands_all_ks_share(normalization, weighted,
                                                                     monkeypatch):
     # A CPU edge list's build writes the graph's arrays in place into the
     # packed buffer that the ops read (no copy), and every k shares it (the
