@@ -82,6 +82,24 @@ def test_compiled_model_matches_eager(kind, dynamic, prepared):
 
 
 @pytest.mark.parametrize("kind", list(MODELS))
+def test_dropout_in_training_compiles_whole_and_draws_as_eager(kind):
+    # Dropout on the kept values is drawn before the fused op (a random op
+    # dynamo traces): no graph break on a prepared graph, and eager's draw
+    # for one seed where the compiled graph runs torch's own random ops.
+    x, ei = _data()
+    adj = _prepared(kind, ei)
+    torch.manual_seed(0)
+    model = MODELS[kind][0](F_IN, HIDDEN, 2, 5, k=K, dropout=0.5).to(DEVICE).train()
+    torch.manual_seed(1)
+    expected = _run(model, x, adj)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    torch.manual_seed(1)
+    _assert_same(_run(compiled, x, adj), expected)
+    torch.manual_seed(2)
+    assert not torch.equal(_run(model, x, adj)[0], expected[0])  # the draw follows the seed
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
 @pytest.mark.slow
 def test_inductor_compiles_a_prepared_graph_whole(kind):
     x, ei = _data()

@@ -78,11 +78,12 @@ def test_aggregation_kernels_write_every_entry():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("normalization", ["sum", "gcn"])
-@pytest.mark.parametrize("given", ["agg", "agg,values,dense", "values", "dense", "agg,dense"])
+@pytest.mark.parametrize("given", ["agg", "agg,values,dense", "values", "dense", "agg,dense",
+                                   "agg,values,dense,scale"])
 def test_features_gradient_kernel_against_float64(dtype, normalization, given):
     # MaxK + aggregation's gradient w.r.t. the features in one kernel: the
-    # SSpMM, the sum with the CBSR's and the dense form's gradients, and
-    # densify; every entry of a poisoned output written.
+    # SSpMM, the sum with the CBSR's and the dense form's gradients, the
+    # dropout's scale, and densify; every entry of a poisoned output written.
     from pyg_maxk.kernels import cpu
     size, dim, k = ((14, 11) if normalization == "sum" else (14, 14)), 40, 5
     ei = random_edge_index(*size, 50, seed=2)
@@ -93,7 +94,8 @@ def test_features_gradient_kernel_against_float64(dtype, normalization, given):
     g = torch.Generator().manual_seed(3)
     grads = {"agg": torch.randn(size[1], dim, generator=g, dtype=dtype),
              "values": torch.randn(size[0], k, generator=g, dtype=dtype),
-             "dense": torch.randn(size[0], dim, generator=g, dtype=dtype)}
+             "dense": torch.randn(size[0], dim, generator=g, dtype=dtype),
+             "scale": torch.randint(0, 2, (size[0], k), generator=g).to(dtype) * 2}
     present = {name: grads[name] if name in given.split(",") else None for name in grads}
     a = graph.torch_csr(torch.float64)
     kept = torch.zeros(size[0], k, dtype=torch.float64)
@@ -104,6 +106,8 @@ def test_features_gradient_kernel_against_float64(dtype, normalization, given):
         kept += grads["values"].double()
     if present["dense"] is not None:
         kept += grads["dense"].double().gather(1, h.long_indices())
+    if present["scale"] is not None:
+        kept *= grads["scale"].double()
     ref = torch.zeros(size[0], dim, dtype=torch.float64).scatter_(1, h.long_indices(), kept)
     out = torch.full((size[0], dim), float("nan"), dtype=dtype)
     weight, weighted = cpu_ops._weight(ops.weight_t, dtype, out)
@@ -112,7 +116,7 @@ def test_features_gradient_kernel_against_float64(dtype, normalization, given):
     cpu.input_grad_rows(ops.colptr.numpy(), ops.row_t.numpy(), weight, weighted,
                         h.indices.numpy(), arrays[0], present["agg"] is not None, arrays[1],
                         present["values"] is not None, arrays[2], present["dense"] is not None,
-                        out.numpy())
+                        arrays[3], present["scale"] is not None, out.numpy())
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else {}
     torch.testing.assert_close(out.double(), ref, **tol)
     # The op takes the kernel on the cpu backend; the same result as the torch

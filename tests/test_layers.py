@@ -423,16 +423,27 @@ def test_sage_dense_root_accumulates_in_place_unless_hooked(hooked, monkeypatch)
     assert bool(in_place) != hooked
 
 
-def test_dropout_and_cbsr_inputs_take_the_separate_steps():
-    # Dropout applies between MaxK and the aggregation, and a CBSR input is
-    # selected already: both run the two ops, with the same results.
+def test_dropout_runs_in_the_fused_op_and_cbsr_inputs_take_the_separate_steps():
+    # Dropout on the kept values runs inside the one op (the same draw as
+    # maxk's for one seed, the same output and gradient as the steps); a
+    # CBSR input, selected already, runs the aggregation alone.
     ei = random_edge_index(N, N, 30)
     conv = MaxKGINConv(torch.nn.Linear(F_IN, F_OUT), k=K, dropout=0.5)
     x = random_features().requires_grad_()
     conv.train()
-    names = _autograd_node_names(conv(x, ei))
-    assert "maxk_aggregate_functionBackward" not in names
-    assert "spgemm_functionBackward" in names
+    torch.manual_seed(0)
+    out = conv(x, ei)
+    names = _autograd_node_names(out)
+    assert "maxk_aggregate_functionBackward" in names
+    assert "spgemm_functionBackward" not in names
+    torch.manual_seed(0)
+    h = pyg_maxk.maxk(x, K, dropout=0.5, training=True)
+    assert (h.values == 0).any()
+    expected = conv(h, ei)
+    assert "spgemm_functionBackward" in _autograd_node_names(expected)
+    torch.testing.assert_close(out, expected)
+    weights = torch.randn_like(out)
+    torch.testing.assert_close(torch.autograd.grad(out, x, weights)[0],
+                               torch.autograd.grad(expected, x, weights)[0])
     conv.eval()
-    h = pyg_maxk.maxk(x, K)
-    torch.testing.assert_close(conv(h, ei), conv(x, ei))
+    torch.testing.assert_close(conv(pyg_maxk.maxk(x, K), ei), conv(x, ei))

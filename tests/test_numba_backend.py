@@ -657,7 +657,8 @@ def test_column_sums_against_float64(dtype, num_rows, columns):
 
 
 @pytest.mark.parametrize("given", [
-    pytest.param("agg", marks=smoke), "agg,values,dense", "values", "dense", "agg,dense"])
+    pytest.param("agg", marks=smoke), "agg,values,dense", "values", "dense", "agg,dense",
+    "agg,values,dense,scale"])
 @pytest.mark.parametrize("size,dim,k", [((14, 11), 40, 5), ((9, 9), 64, 40)])
 def test_features_gradient_fused_densify_against_float64(given, size, dim, k):
     # MaxK + aggregation's gradient w.r.t. the features: the SSpMM, then one
@@ -674,7 +675,8 @@ def test_features_gradient_fused_densify_against_float64(given, size, dim, k):
     g = torch.Generator().manual_seed(3)
     grads = {"agg": torch.randn(size[1], dim, generator=g),
              "values": torch.randn(size[0], k, generator=g),
-             "dense": torch.randn(size[0], dim, generator=g)}
+             "dense": torch.randn(size[0], dim, generator=g),
+             "scale": torch.randint(0, 2, (size[0], k), generator=g).float() * 2}
     present = {name: grads[name].to(DEVICE) if name in given.split(",") else None
                for name in grads}
     a = graph.torch_csr(torch.float64).cpu()
@@ -686,11 +688,14 @@ def test_features_gradient_fused_densify_against_float64(given, size, dim, k):
         kept += grads["values"].double()
     if present["dense"] is not None:
         kept += grads["dense"].double().gather(1, index)
+    if present["scale"] is not None:
+        kept *= grads["scale"].double()
     ref = torch.zeros(size[0], dim, dtype=torch.float64).scatter_(1, index, kept)
     ops = unpack(*graph.operands(k))
     for _ in range(3):  # the third call takes the prepared launch
         poison_allocator()
-        out = numba_ops.maxk_input_grad(ops, h.indices, *present.values(), dim)
+        terms = [present[name] for name in ("agg", "values", "dense")]
+        out = numba_ops.maxk_input_grad(ops, h.indices, *terms, dim, present["scale"])
         assert out.dtype == torch.float32 and out.shape == (size[0], dim)
         torch.testing.assert_close(out.double().cpu(), ref, rtol=1e-5, atol=1e-5)
     packed = graph.operands(k)

@@ -55,14 +55,17 @@ def op_cases(backend, dtype=torch.float32):
             learnable = ops._replace(weight=graph.weight.detach().clone().requires_grad_())
             cases.append((lib.spgemm, (*learnable, values, indices, num_dst, dim, backend)))
         x = torch.randn(num_src, dim, device=DEVICE, dtype=dtype, requires_grad=True)
+        scale = pyg_maxk.ops.dropout_scale(x, k, 0.5, True)
         for with_dense in (False, True):
-            cases.append((lib.maxk_aggregate, (x, k, *ops, num_dst, with_dense, backend)))
+            cases.append((lib.maxk_aggregate, (x, k, *ops, num_dst, with_dense, None, backend)))
+        cases.append((lib.maxk_aggregate, (x, k, *ops, num_dst, True, scale, backend)))
         if graph.weight is not None:
-            cases.append((lib.maxk_aggregate, (x, k, *learnable, num_dst, True, backend)))
+            cases.append((lib.maxk_aggregate, (x, k, *learnable, num_dst, True, None, backend)))
         grad_values = torch.randn(num_src, k, device=DEVICE, dtype=dtype)
         grad_dense = torch.randn(num_src, dim, device=DEVICE, dtype=dtype)
-        for given in ((grad_out, None, None), (grad_out, grad_values, grad_dense),
-                      (None, grad_values, None), (None, None, grad_dense)):
+        for given in ((grad_out, None, None, None), (grad_out, grad_values, grad_dense, None),
+                      (None, grad_values, None, None), (None, None, grad_dense, None),
+                      (grad_out, grad_values, grad_dense, scale)):
             cases.append((lib.maxk_input_grad, (*ops, indices, *given, dim, dtype, backend)))
         dense = torch.randn(num_src, dim, device=DEVICE, dtype=dtype, requires_grad=True)
         weight = None if graph.weight is None else graph.weight.to(dtype)
@@ -237,9 +240,11 @@ def test_edge_value_gradient_against_float64(backend, dim, k, monkeypatch):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("with_dense", [False, True])
-def test_maxk_aggregate_equals_its_steps(backend, with_dense):
+@pytest.mark.parametrize("dropout", [0.0, 0.5])
+def test_maxk_aggregate_equals_its_steps(backend, with_dense, dropout):
     # The fused op against maxk, aggregate and to_dense, forward and the
-    # gradients of x (through all three outputs) and of the edge values.
+    # gradients of x (through all three outputs) and of the edge values;
+    # with dropout on the kept values, one seed giving both the same draw.
     base = _graph(12, 12, 40, "gcn_weighted")
     edge_values = base.weight.detach().clone().requires_grad_()
     x = torch.randn(12, 20, device=DEVICE, requires_grad=True)
@@ -247,10 +252,12 @@ def test_maxk_aggregate_equals_its_steps(backend, with_dense):
     with pyg_maxk.use_backend(backend):
         for fused in (True, False):
             graph = base.with_weight(edge_values, base.normalization)  # fresh edge-value views
+            torch.manual_seed(1)
             if fused:
-                agg, h, dense = pyg_maxk.ops.maxk_aggregate(x, 4, graph, with_dense=with_dense)
+                agg, h, dense = pyg_maxk.ops.maxk_aggregate(x, 4, graph, with_dense=with_dense,
+                                                            dropout=dropout, training=True)
             else:
-                h = pyg_maxk.maxk(x, 4)
+                h = pyg_maxk.maxk(x, 4, dropout=dropout, training=True)
                 agg = pyg_maxk.aggregate(graph, h)
                 dense = pyg_maxk.ops.to_dense(h) if with_dense else None
             loss = (agg * agg).sum() + (h.values ** 3).sum()
@@ -259,8 +266,38 @@ def test_maxk_aggregate_equals_its_steps(backend, with_dense):
             else:
                 assert dense is None
             results.append((agg, h.to_dense(), *torch.autograd.grad(loss, [x, edge_values])))
+    if dropout:
+        dropped = (results[0][1] == 0) & (pyg_maxk.maxk(x, 4).to_dense() != 0)
+        assert dropped.any() and not dropped.all()
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_maxk_aggregate_dropout_keeps_the_features_type(backend, dtype):
+    # Dropout's factors are float32 at least; the kept values stay in the
+    # features' type, rounded once, fused or in separate steps alike.
+    if (backend, dtype) in (("cpu", torch.bfloat16), ("numba", torch.float64)):
+        pytest.skip(f"the {backend} kernels do not take {dtype}")
+    graph = _graph(12, 12, 40, "sum")
+    x = torch.randn(12, 20, device=DEVICE, dtype=dtype, requires_grad=True)
+    results = []
+    with pyg_maxk.use_backend(backend):
+        for fused in (True, False):
+            torch.manual_seed(3)
+            if fused:
+                agg, h, dense = pyg_maxk.ops.maxk_aggregate(x, 4, graph, with_dense=True,
+                                                            dropout=0.25, training=True)
+            else:
+                h = pyg_maxk.maxk(x, 4, dropout=0.25, training=True)
+                agg, dense = pyg_maxk.aggregate(graph, h), pyg_maxk.ops.to_dense(h)
+            assert h.values.dtype == dense.dtype == dtype
+            loss = agg.float().square().sum() + dense.float().sum()
+            results.append((agg, dense, *torch.autograd.grad(loss, [x])))
+    tol = {} if dtype == torch.float64 else dict(rtol=1e-2, atol=1e-2)
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, **tol)
 
 
 def test_a_backward_through_an_op_without_autograd_is_a_clear_error():
@@ -269,7 +306,7 @@ def test_a_backward_through_an_op_without_autograd_is_a_clear_error():
     # of dropping their terms silently.
     graph = _graph(12, 12, 40, "sum")
     x = torch.randn(12, 20, device=DEVICE, requires_grad=True)
-    agg, *_ = lib.maxk_aggregate(x, 4, *graph.operands(4), 12, False, "torch")
+    agg, *_ = lib.maxk_aggregate(x, 4, *graph.operands(4), 12, False, None, "torch")
     (grad_x,) = torch.autograd.grad(agg.square().sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="no autograd formula"):
         grad_x.sum().backward()

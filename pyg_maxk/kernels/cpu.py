@@ -95,12 +95,13 @@ INPUT_GRAD_BLOCK_ROWS = 16
 @keyed_files
 @njit(parallel=True, cache=True)
 def input_grad_rows(colptr, row, weight_t, weighted, indices, grad_agg, has_agg, grad_values,
-                    has_values, grad_dense, has_dense, grad_x):
+                    has_values, grad_dense, has_dense, scale, has_scale, grad_x):
     """``grad_x[N, dim]``, the gradient of MaxK and the aggregation of its
     CBSR w.r.t. the features, per row ``c`` of the transposed graph: at each
     kept column ``indices[c, j]`` the SSpMM sum of :func:`sspmm_rows`
     (``has_agg``), plus ``grad_values[c, j]`` (``has_values``), plus
-    ``grad_dense`` there (``has_dense``), added in that order; zero
+    ``grad_dense`` there (``has_dense``), added in that order, times
+    ``scale[c, j]`` (``has_scale``: the dropout of the kept values); zero
     elsewhere. The sums run in a contiguous scratch row (so that they
     vectorise, as :func:`sspmm_rows`'s do) and are written once; the
     separate ops would write and read two ``[N, k]`` intermediates."""
@@ -125,6 +126,9 @@ def input_grad_rows(colptr, row, weight_t, weighted, indices, grad_agg, has_agg,
             if has_dense:
                 for j in range(k):
                     acc[j] += grad_dense[c, indices[c, j]]
+            if has_scale:
+                for j in range(k):
+                    acc[j] *= scale[c, j]
             for d in range(dim):
                 grad_x[c, d] = 0
             for j in range(k):

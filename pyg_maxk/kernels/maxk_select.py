@@ -269,15 +269,17 @@ def densify_kernel(dim: int, k: int, rows_per_block: int, bits16: bool = False):
 
 @functools.lru_cache(maxsize=None)
 def densify_sum_kernel(dim: int, k: int, rows_per_block: int, has_kept: bool,
-                       has_values: bool, has_dense: bool):
-    """``dense[r, c] = kept[r, j] + values[r, j] + source[r, c]`` for ``c =
-    indices[r, j]``, each term where its flag is set (added in that order),
-    every other entry 0, all float32: the features' gradient of MaxK and
-    the aggregation of its CBSR from the gradients of the kept values (the
-    SSpMM's ``kept``, the CBSR's own ``values``) and of the dense form
-    (``source``, sampled at the pattern). :func:`gather_kernel`, the sums
-    and :func:`densify_kernel` in one launch. An absent term's argument is
-    never read (any float32 ``[N, *]`` array stands in for it).
+                       has_values: bool, has_dense: bool, has_scale: bool = False):
+    """``dense[r, c] = (kept[r, j] + values[r, j] + source[r, c]) * scale[r, j]``
+    for ``c = indices[r, j]``, each term where its flag is set (added in
+    that order), every other entry 0, all float32: the features' gradient
+    of MaxK and the aggregation of its CBSR from the gradients of the kept
+    values (the SSpMM's ``kept``, the CBSR's own ``values``) and of the
+    dense form (``source``, sampled at the pattern), through the dropout
+    that scaled the kept values (``scale``: zero or ``1 / (1 - p)`` per
+    slot). :func:`gather_kernel`, the sums and :func:`densify_kernel` in one
+    launch. An absent argument is never read (any float32 ``[N, *]`` array
+    stands in for it).
 
     One warp per row builds the row in shared memory and writes all of it
     with coalesced stores, as :func:`densify_kernel` does; a row's indices
@@ -293,7 +295,7 @@ def densify_sum_kernel(dim: int, k: int, rows_per_block: int, has_kept: bool,
     zero = float32(0)
 
     @kernel_jit()
-    def densify_sum(kept, values, source, indices, dense, num_rows):
+    def densify_sum(kept, values, source, scale, indices, dense, num_rows):
         row_buf = cuda.shared.array((rows_per_block, dim), float32)
         lane = uint32(cuda.threadIdx.x) % w32
         warp = uint32(cuda.threadIdx.x) // w32
@@ -313,6 +315,8 @@ def densify_sum_kernel(dim: int, k: int, rows_per_block: int, has_kept: bool,
                     total += values[row, j]
                 if has_dense:
                     total += source[row, column]
+                if has_scale:
+                    total *= scale[row, j]
                 row_buf[warp, column] = total
             sync()
             for d in range(lane, w_dim, w32):

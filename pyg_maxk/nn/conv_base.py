@@ -157,13 +157,13 @@ class MaxKConv(MessagePassing):
 
     def sparsify_and_aggregate(self, graph: Graph, x: Features, *,
                                with_dense: bool = False) -> Tuple[Tensor, CBSR, Optional[Tensor]]:
-        """``(graph @ h, h, dense h or None)`` for ``h`` the MaxK of ``x``:
-        one op (:func:`pyg_maxk.ops.maxk_aggregate`, one autograd node) unless
-        ``x`` is a CBSR already or dropout applies between the two steps."""
-        if isinstance(x, CBSR) or (self.dropout > 0.0 and self.training):
-            h = self.sparsify(x)
-            return self.aggregate_sparse(graph, h), h, (to_dense(h) if with_dense else None)
-        return maxk_aggregate(x, self.k, graph, with_dense=with_dense)
+        """``(graph @ h, h, dense h or None)`` for ``h`` the MaxK of ``x``
+        (with its dropout): one op (:func:`pyg_maxk.ops.maxk_aggregate`, one
+        autograd node) unless ``x`` is a CBSR already."""
+        if isinstance(x, CBSR):
+            return self.aggregate_sparse(graph, x), x, (to_dense(x) if with_dense else None)
+        return maxk_aggregate(x, self.k, graph, with_dense=with_dense, dropout=self.dropout,
+                              training=self.training)
 
     @staticmethod
     def aggregate_sparse(graph: Graph, h: CBSR) -> Tensor:

@@ -71,9 +71,28 @@ def maxk(x: Tensor, k: int, *, dropout: float = 0.0, training: bool = False) -> 
         out = CBSR(x, indices.expand(n, dim), dim)
     else:
         out = CBSR(*lib.maxk_select(x, k, get_backend()), dim)
-    if dropout > 0.0 and training:
-        out = out.with_values(F.dropout(out.values, dropout, training=True))
+    scale = dropout_scale(x, out.values.size(1), dropout, training)
+    if scale is not None:  # in the values' type, rounded once (as maxk_aggregate's)
+        out = out.with_values(as_dtype(out.values * scale, out.values.dtype))
     return out
+
+
+def dropout_scale(x: Tensor, k: int, p: float, training: bool) -> Optional[Tensor]:
+    """The factors ``[N, k]`` of dropout with probability ``p`` on the ``k``
+    values MaxK keeps per row of ``x [N, dim]``: each ``0`` with probability
+    ``p``, else ``1 / (1 - p)`` (what :func:`torch.nn.functional.dropout`
+    multiplies by), in float32 at least (a half-precision value times it
+    rounds once, as in ``F.dropout``); None where no dropout applies
+    (``p == 0`` or not ``training``). :func:`maxk` and
+    :func:`maxk_aggregate` draw their dropout here, so that one seed gives
+    both the same draw."""
+    if not (p > 0.0 and training):
+        return None
+    if p >= 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    return torch.empty(x.size(0), k, dtype=dtype, device=x.device).bernoulli_(
+        1.0 - p).div_(1.0 - p)
 
 
 def to_dense(h: CBSR) -> Tensor:
@@ -120,16 +139,21 @@ def aggregate(graph: Union[CSRGraph, EdgeListGraph], h: Union[CBSR, Tensor]) -> 
 
 
 def maxk_aggregate(x: Tensor, k: int, graph: Union[CSRGraph, EdgeListGraph], *,
-                   with_dense: bool = False) -> Tuple[Tensor, CBSR, Optional[Tensor]]:
-    r"""``h = maxk(x, k)`` and ``aggregate(graph, h)`` in one op, with one
-    autograd node and one backward: what a MaxK conv's input step costs on
-    a small graph, where each node's host time counts.
+                   with_dense: bool = False, dropout: float = 0.0,
+                   training: bool = False) -> Tuple[Tensor, CBSR, Optional[Tensor]]:
+    r"""``h = maxk(x, k, dropout=dropout, training=training)`` and
+    ``aggregate(graph, h)`` in one op, with one autograd node and one
+    backward: what a MaxK conv's input step costs on a small graph, where
+    each node's host time counts. The dropout draws as :func:`maxk`'s does
+    (:func:`dropout_scale`): one seed gives both the same ``h``.
 
     Args:
         x (torch.Tensor): ``[num_src, dim]`` features.
         k (int): entries kept per row.
         graph (CSRGraph or EdgeListGraph): ``[num_dst, num_src]`` adjacency.
         with_dense (bool): also return ``h``'s dense form.
+        dropout (float): dropout probability on the kept values.
+        training (bool): whether dropout is active.
 
     Returns:
         ``(graph @ h, h, h.to_dense() or None)``, each as :func:`aggregate`,
@@ -139,16 +163,19 @@ def maxk_aggregate(x: Tensor, k: int, graph: Union[CSRGraph, EdgeListGraph], *,
     k = check_k(k)
     _check_features(x)
     if k >= x.size(1):  # every entry kept: the dense aggregation
-        h = maxk(x, k)
-        return aggregate(graph, h), h, (x if with_dense else None)
+        h = maxk(x, k, dropout=dropout, training=training)
+        return aggregate(graph, h), h, (h.values if with_dense else None)
     if x.size(0) != graph.num_src:
         raise ValueError(f"The features have {x.size(0)} rows but the graph has "
                          f"{graph.num_src} source nodes")
     if x.device != graph.device:
         raise ValueError(f"The features are on {x.device} but the graph is on "
                          f"{graph.device}; move both to the same device")
+    # The draw before the op: a custom op's random draws would be opaque to
+    # torch.compile (and to CUDA-graph capture of the generator's state).
+    scale = dropout_scale(x, k, dropout, training)
     agg, values, indices, dense = lib.maxk_aggregate(
-        x, k, *graph.operands(k), graph.num_dst, with_dense, get_backend())
+        x, k, *graph.operands(k), graph.num_dst, with_dense, scale, get_backend())
     return agg, CBSR(values, indices, x.size(1)), (dense if with_dense else None)
 
 
@@ -225,4 +252,4 @@ def _linear_is_dense(h: CBSR, weight: Tensor, bias: Tensor | None) -> bool:
 
 
 __all__ = ["maxk", "aggregate", "maxk_aggregate", "aggregation_dtype", "cbsr_linear", "check_k",
-           "dtype_of", "linear_backend", "to_dense"]
+           "dropout_scale", "dtype_of", "linear_backend", "to_dense"]

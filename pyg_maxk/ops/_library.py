@@ -285,23 +285,27 @@ def _spgemm_fake(index, weight, weight_t, layout, values, indices, num_dst, dim,
         values.dtype, weight_dtype, layout_dtype(layout, "row_scale")))
 
 
-def _save_with_graph(ctx, graph, values: Tensor, indices: Tensor) -> None:
+def _save_with_graph(ctx, graph, values: Tensor, indices: Tensor,
+                     scale: Optional[Tensor] = None) -> None:
     """Save the CBSR ``indices``, its ``values`` where the edge values need a
-    gradient (their SDDMM reads them), and the graph arguments present."""
+    gradient (their SDDMM reads them), the dropout ``scale`` of its values
+    (None: no dropout), and the graph arguments present."""
     ctx.layout = graph[-1]
     tensors = graph[:-1]
     ctx.present = [t is not None for t in tensors]
     weight = graph[_WEIGHT_ARG]
     ctx.weight_grad = weight is not None and weight.requires_grad
-    ctx.save_for_backward(indices, values if ctx.weight_grad else None,
+    ctx.save_for_backward(indices, values if ctx.weight_grad else None, scale,
                           *[t for t in tensors if t is not None])
 
 
 def _saved_with_graph(ctx):
-    """``(indices, values or None, graph arguments)`` of :func:`_save_with_graph`."""
-    indices, values, *present = ctx.saved_tensors
+    """``(indices, values or None, scale or None, graph arguments)`` of
+    :func:`_save_with_graph`."""
+    indices, values, scale, *present = ctx.saved_tensors
     present = iter(present)
-    return indices, values, [next(present) if p else None for p in ctx.present] + [ctx.layout]
+    return (indices, values, scale,
+            [next(present) if p else None for p in ctx.present] + [ctx.layout])
 
 
 def _graph_grads(ctx, graph, values: Tensor, indices: Tensor, grad_out: Tensor) -> list:
@@ -325,7 +329,7 @@ def _spgemm_setup(ctx, inputs, output) -> None:
 
 
 def _spgemm_backward(ctx, grad_out):
-    indices, values, graph = _saved_with_graph(ctx)
+    indices, values, _, graph = _saved_with_graph(ctx)
     grad_out = grad_out.contiguous()
     grad_values = None
     if ctx.needs_input_grad[NUM_GRAPH_ARGS]:
@@ -372,15 +376,19 @@ spgemm = KernelOp("spgemm", _spgemm, _spgemm_fake, _spgemm_setup, _spgemm_backwa
 # ----------------------------------------------- select + aggregation
 def _maxk_aggregate(x: Tensor, k: int, index: Tensor, weight: Optional[Tensor],
                     weight_t: Optional[Tensor], layout: List[int], num_dst: int,
-                    with_dense: bool, backend: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                    with_dense: bool, scale: Optional[Tensor],
+                    backend: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     dim = x.size(1)
     values, indices = _maxk_select(x, k, backend)
+    if scale is not None:  # dropout on the kept values (values is fresh)
+        values = values.mul_(scale)
     agg = _spgemm(index, weight, weight_t, layout, values, indices, num_dst, dim, backend)
     dense = _cbsr_to_dense(values, indices, dim, backend) if with_dense else x.new_empty(0)
     return agg, values, indices, dense
 
 
-def _maxk_aggregate_fake(x, k, index, weight, weight_t, layout, num_dst, with_dense, backend):
+def _maxk_aggregate_fake(x, k, index, weight, weight_t, layout, num_dst, with_dense, scale,
+                         backend):
     values, indices = _maxk_select_fake(x, k, backend)
     agg = _spgemm_fake(index, weight, weight_t, layout, values, indices, num_dst, x.size(1),
                        backend)
@@ -388,16 +396,17 @@ def _maxk_aggregate_fake(x, k, index, weight, weight_t, layout, num_dst, with_de
 
 
 def _maxk_aggregate_setup(ctx, inputs, output) -> None:
-    x, graph, backend = inputs[0], inputs[2:2 + NUM_GRAPH_ARGS], inputs[-1]
+    x, graph = inputs[0], inputs[2:2 + NUM_GRAPH_ARGS]
+    with_dense, scale, backend = inputs[-3:]
     ctx.set_materialize_grads(False)  # unused outputs cost no zero-filled gradient
     ctx.dim, ctx.values_dtype, ctx.backend = x.size(1), x.dtype, backend
-    ctx.with_dense = inputs[-2]
+    ctx.with_dense = with_dense
     ctx.graph_at = 2
-    _save_with_graph(ctx, graph, output[1], output[2])
+    _save_with_graph(ctx, graph, output[1], output[2], scale)
 
 
 def _maxk_aggregate_backward(ctx, grad_agg, grad_values, grad_indices, grad_dense):
-    indices, values, graph = _saved_with_graph(ctx)
+    indices, values, scale, graph = _saved_with_graph(ctx)
     grads = [None] * NUM_GRAPH_ARGS
     if grad_agg is not None:
         grad_agg = grad_agg.contiguous()
@@ -405,21 +414,23 @@ def _maxk_aggregate_backward(ctx, grad_agg, grad_values, grad_indices, grad_dens
     grad_dense = grad_dense if ctx.with_dense else None
     grad_x = None
     if ctx.needs_input_grad[0] and any(t is not None for t in (grad_agg, grad_values, grad_dense)):
-        grad_x = maxk_input_grad(*graph, indices, grad_agg, grad_values, grad_dense, ctx.dim,
-                                 ctx.values_dtype, ctx.backend)
-    return (grad_x, None, *grads, None, None, None)
+        grad_x = maxk_input_grad(*graph, indices, grad_agg, grad_values, grad_dense, scale,
+                                 ctx.dim, ctx.values_dtype, ctx.backend)
+    return (grad_x, None, *grads, None, None, None, None)
 
 
 # ------------------------------ the features' gradient of maxk_aggregate
 def _maxk_input_grad(index: Tensor, weight: Optional[Tensor], weight_t: Optional[Tensor],
                      layout: List[int], indices: Tensor, grad_agg: Optional[Tensor],
-                     grad_values: Optional[Tensor], grad_dense: Optional[Tensor], dim: int,
-                     dtype: torch.dtype, backend: str) -> Tensor:
+                     grad_values: Optional[Tensor], grad_dense: Optional[Tensor],
+                     scale: Optional[Tensor], dim: int, dtype: torch.dtype,
+                     backend: str) -> Tensor:
     # The gradient of the kept values (the SSpMM of the aggregation's, plus
-    # the CBSR's and the dense form's own), densified into x's shape: one
-    # CPU kernel where the CPU backend runs both steps on one dtype; the
-    # SSpMM and one fused densify where the Numba kernels run both in float32.
-    given = [t for t in (grad_agg, grad_values, grad_dense) if t is not None]
+    # the CBSR's and the dense form's own, times the dropout's scale),
+    # densified into x's shape: one CPU kernel where the CPU backend runs
+    # both steps on one dtype; the SSpMM and one fused densify where the
+    # Numba kernels run both in float32.
+    given = [t for t in (grad_agg, grad_values, grad_dense, scale) if t is not None]
     if all(t.dtype == dtype for t in given):
         k = indices.size(1)
         chosen = choose("aggregate", given[0], requested=backend, dim=dim, k=k)
@@ -427,10 +438,10 @@ def _maxk_input_grad(index: Tensor, weight: Optional[Tensor], weight_t: Optional
             g = unpack(index, weight, weight_t, layout)
             if chosen == "cpu":
                 return _module("cpu").maxk_input_grad(g, indices, grad_agg, grad_values,
-                                                      grad_dense, dim, dtype)
+                                                      grad_dense, dim, dtype, scale)
             if chosen == "numba" and dtype == torch.float32:
                 return _module("numba").maxk_input_grad(g, indices, grad_agg, grad_values,
-                                                        grad_dense, dim)
+                                                        grad_dense, dim, scale)
     grad = None
     if grad_agg is not None:
         grad = as_dtype(_sspmm(index, weight, weight_t, layout, indices, grad_agg.contiguous(),
@@ -440,22 +451,27 @@ def _maxk_input_grad(index: Tensor, weight: Optional[Tensor], weight_t: Optional
     if grad_dense is not None:
         sampled = _gather_at(grad_dense.contiguous(), indices, backend)
         grad = sampled if grad is None else grad + sampled
+    if scale is not None:
+        grad = as_dtype(grad * scale, dtype)
     return _cbsr_to_dense(grad.contiguous(), indices, dim, backend)
 
 
 def _maxk_input_grad_fake(index, weight, weight_t, layout, indices, grad_agg, grad_values,
-                          grad_dense, dim, dtype, backend):
+                          grad_dense, scale, dim, dtype, backend):
     return indices.new_empty(indices.size(0), dim, dtype=dtype)
 
 
 #: The gradient of :data:`maxk_aggregate` w.r.t. its features ``[N, dim]``,
-#: from those of its outputs (each None when absent); no autograd of its own.
+#: from those of its outputs (each None when absent) and its dropout's
+#: scale (None: no dropout); no autograd of its own.
 maxk_input_grad = KernelOp("maxk_input_grad", _maxk_input_grad, _maxk_input_grad_fake)
 
 
-#: MaxK and the aggregation of its CBSR (and, asked for, its dense form) as
-#: one op: one autograd node where :data:`maxk_select` and :data:`spgemm`
-#: make two, and small graphs are bound by host time per node.
+#: MaxK, dropout on the kept values (``scale``: zero or ``1 / (1 - p)`` per
+#: slot; None: none), and the aggregation of the CBSR (and, asked for, its
+#: dense form) as one op: one autograd node where :data:`maxk_select`,
+#: the dropout and :data:`spgemm` make three, and small graphs are bound by
+#: host time per node.
 maxk_aggregate = KernelOp("maxk_aggregate", _maxk_aggregate, _maxk_aggregate_fake,
                           _maxk_aggregate_setup, _maxk_aggregate_backward)
 

@@ -104,13 +104,14 @@ def sspmm(g: GraphOperands, indices: Tensor, grad_out: Tensor, num_src: int) -> 
 
 def maxk_input_grad(g: GraphOperands, indices: Tensor, grad_agg: Optional[Tensor],
                     grad_values: Optional[Tensor], grad_dense: Optional[Tensor],
-                    dim: int, dtype: torch.dtype) -> Tensor:
+                    dim: int, dtype: torch.dtype, scale: Optional[Tensor] = None) -> Tensor:
     """The gradient ``[num_src, dim]`` of MaxK and the aggregation of its
     CBSR w.r.t. the features, from the gradients of the aggregation
     (``[num_dst, dim]``), of the CBSR values (``[num_src, k]``) and of the
-    dense form (``[num_src, dim]``), each None when absent; all of
-    ``dtype``. :func:`sspmm`, the sum and :func:`cbsr_to_dense` in one
-    kernel (``kernels.input_grad_rows``)."""
+    dense form (``[num_src, dim]``), each None when absent, through the
+    dropout ``scale`` (``[num_src, k]``) of the kept values where given; all
+    of ``dtype``. :func:`sspmm`, the sum, the scale and :func:`cbsr_to_dense`
+    in one kernel (``kernels.input_grad_rows``)."""
     if g.row is not None:
         grad = torch.zeros(indices.shape, dtype=dtype)
         if grad_agg is not None:
@@ -119,6 +120,8 @@ def maxk_input_grad(g: GraphOperands, indices: Tensor, grad_agg: Optional[Tensor
             grad += grad_values
         if grad_dense is not None:
             grad += gather_at(grad_dense, indices)
+        if scale is not None:
+            grad *= scale
         return cbsr_to_dense(grad, indices, dim)
     grad_x = torch.empty(indices.size(0), dim, dtype=dtype)           # [num_src, dim]
     if grad_x.numel() == 0:
@@ -128,7 +131,8 @@ def maxk_input_grad(g: GraphOperands, indices: Tensor, grad_agg: Optional[Tensor
                             indices.contiguous().numpy(), _given(grad_agg, dtype, grad_x),
                             grad_agg is not None, _given(grad_values, dtype, grad_x),
                             grad_values is not None, _given(grad_dense, dtype, grad_x),
-                            grad_dense is not None, grad_x.numpy())
+                            grad_dense is not None, _given(scale, dtype, grad_x),
+                            scale is not None, grad_x.numpy())
     return grad_x
 
 

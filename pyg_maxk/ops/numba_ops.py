@@ -221,21 +221,23 @@ def cbsr_to_dense(values: Tensor, indices: Tensor, dim: int) -> Tensor:
 
 def maxk_input_grad(g: GraphOperands, indices: Tensor, grad_agg: Optional[Tensor],
                     grad_values: Optional[Tensor], grad_dense: Optional[Tensor],
-                    dim: int) -> Tensor:
+                    dim: int, scale: Optional[Tensor] = None) -> Tensor:
     """The float32 gradient ``[num_src, dim]`` of MaxK and the aggregation
     of its CBSR w.r.t. the features, from the float32 gradients of the
     aggregation (``[num_dst, dim]``), of the CBSR values (``[num_src, k]``)
-    and of the dense form (``[num_src, dim]``), each None when absent:
-    :func:`sspmm` of the first, then one launch
+    and of the dense form (``[num_src, dim]``), each None when absent, through
+    the dropout ``scale`` (``[num_src, k]`` float32) of the kept values where
+    given: :func:`sspmm` of the first, then one launch
     (:func:`~pyg_maxk.kernels.maxk_select.densify_sum_kernel`) that adds the
-    kept values' gradients and the dense one sampled at the pattern and
-    writes the dense rows."""
+    kept values' gradients and the dense one sampled at the pattern, scales
+    them and writes the dense rows."""
     n, k = indices.shape
     kept = sspmm(g, indices, grad_agg, n) if grad_agg is not None else None
     dense = torch.empty(n, dim, dtype=KERNEL_DTYPE, device=indices.device)  # rows written whole
     if n > 0:
         indices = indices.contiguous()
-        terms = [None if t is None else t.contiguous() for t in (kept, grad_values, grad_dense)]
+        terms = [None if t is None else t.contiguous()
+                 for t in (kept, grad_values, grad_dense, scale)]
         present = tuple(t is not None for t in terms)
         # An absent term is never read; the output stands in for it.
         args = (*[dense if t is None else t for t in terms], indices, dense)
@@ -248,7 +250,7 @@ def maxk_input_grad(g: GraphOperands, indices: Tensor, grad_agg: Optional[Tensor
             kernel = densify_sum_kernel(dim, k, rows_per_block, *present)
             run(kernel, blocks, threads, indices.device, *args, n)
             _remember(_PLANS, key, lambda: run.prepare(kernel, blocks, threads, indices.device,
-                                                       (*args, n), (0, 1, 2, 3, 4)))
+                                                       (*args, n), (0, 1, 2, 3, 4, 5)))
     return dense
 
 
