@@ -34,9 +34,13 @@ on both sides, as in ``train.py``.
 With ``--small`` the step tables run on a host-bound graph instead: 200
 nodes, about 780 edges, 64 features, two convs 64 wide, MaxK k=16 (the size of
 a mini-batch of small graphs, where a step's time is host time on a CPU
-too); the op table is left out.
+too); the op table is left out. With ``--main-job`` the fixed-graph table
+alone, on the step of ``pyg-maxk train --compare`` with its defaults: the
+embedded 5,000-node graph, two convs 64 wide, MaxK k=16, dropout 0.2 (on
+the kept values with MaxK, after ReLU in the stock model), GCN's
+normalisation cached on both sides.
 
-Writes ``benchmarks/results/overhead[-tiny][-small].json`` and ``.png``.
+Writes ``benchmarks/results/overhead[-tiny][-small|-main-job].json`` and ``.png``.
 """
 from __future__ import annotations
 
@@ -114,6 +118,9 @@ def main(argv=None):
                         "autograd's device thread")
     p.add_argument("--small", action="store_true",
                    help="step tables only, on a host-bound graph (module docs)")
+    p.add_argument("--main-job", action="store_true",
+                   help="the fixed-graph table only, on the step of `pyg-maxk train` "
+                        "(module docs)")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
     dev = torch.device("cpu" if args.tiny else "cuda")
@@ -122,18 +129,23 @@ def main(argv=None):
     backend = "cpu" if args.tiny else "numba"
     results = {"backend": backend,
                "backward_thread": "calling" if args.backward_on_calling_thread else "device"}
-    if not args.small:
+    if args.small and args.main_job:
+        p.error("--small and --main-job choose different step tables: give one")
+    step_tables_only = args.small or args.main_job
+    if not step_tables_only:
         results.update(op_host_us(dev, backend))
-    shape = SMALL if args.small else StepShape("cora-like", 0.2 if args.tiny else 1.0, None,
-                                               256, 32)
+    shape = (SMALL if args.small else MAIN_JOB if args.main_job
+             else StepShape("cora-like", 0.2 if args.tiny else 1.0, None, 256, 32))
     results["step_shape"] = shape._asdict()
     results["steps"] = small_graph_steps(dev, backend, shape,
                                          rounds=args.rounds or (3 if args.tiny else 30),
-                                         in_blocks=args.blocks)
+                                         in_blocks=args.blocks,
+                                         scenarios=["fixed graph"] if args.main_job else None)
     results["timing"] = "blocks of 5 steps" if args.blocks else "each step"
-    if not args.tiny and not args.small:
+    if not args.tiny and not step_tables_only:
         results.update(profile_reddit(dev))
-    name = "overhead" + ("-tiny" if args.tiny else "") + ("-small" if args.small else "")
+    name = ("overhead" + ("-tiny" if args.tiny else "") + ("-small" if args.small else "")
+            + ("-main-job" if args.main_job else ""))
     payload = {"benchmark": "overhead", "environment": environment(dev), **results}
     save(name, payload, Path(args.out),
          lambda path, hw: plot_steps(payload["steps"], shape, hw, path))
@@ -142,16 +154,22 @@ def main(argv=None):
 class StepShape(NamedTuple):
     """The graph and model of the step tables: a preset's shape (``scale``
     times its nodes and edges; ``features`` in place of its own where set),
-    two convs ``width`` wide, MaxK's ``k``."""
+    two convs ``width`` wide, MaxK's ``k``, the models' dropout, and whether
+    GCN caches its normalisation on both sides (as ``pyg-maxk train`` does
+    in full batch; otherwise stock's GCN normalises on every step)."""
     preset: str
     scale: float
     features: Optional[int]
     width: int
     k: int
+    dropout: float = 0.0
+    gcn_cached: bool = False
 
 
 #: ``--small``: 200 nodes and about 780 edges (Cora's shape, scaled), 64 features, 64 wide.
 SMALL = StepShape("cora-like", 200 / 2708, 64, 64, 16)
+#: ``--main-job``: the step of ``pyg-maxk train --compare`` with its defaults.
+MAIN_JOB = StepShape("small", 1.0, None, 64, 16, 0.2, gcn_cached=True)
 
 
 def op_host_us(dev, backend: str) -> dict:
@@ -299,8 +317,9 @@ def kernel_launches(step) -> int:
 
 
 def small_graph_steps(dev, backend: str, shape: StepShape, rounds: int,
-                      in_blocks: bool = False) -> dict:
-    """MaxK against stock training steps on a small graph (module docs)."""
+                      in_blocks: bool = False, scenarios: Optional[list] = None) -> dict:
+    """MaxK against stock training steps on a small graph (module docs):
+    every scenario, or those named in ``scenarios``."""
     data = preset_dataset(shape.preset, scale=shape.scale, seed=0).to(dev)
     x, y, n = data.x, data.y, data.num_nodes
     if shape.features is not None:
@@ -309,16 +328,19 @@ def small_graph_steps(dev, backend: str, shape: StepShape, rounds: int,
     classes = int(data.num_classes)
     stock_forms = {"edge_index": ei, "csr": adjacency("csr", ei, n)}
     table = {}
-    scenarios = ["fixed graph", "new graph", "compiled default"]
-    if dev.type == "cuda":
-        scenarios.append("compiled reduce-overhead")
+    if scenarios is None:
+        scenarios = ["fixed graph", "new graph", "compiled default"]
+        if dev.type == "cuda":
+            scenarios.append("compiled reduce-overhead")
         # Full-batch features never change: as a static input, CUDA graphs
         # read them in place instead of copying them on every replay.
         torch._dynamo.mark_static_address(x)
     for kind, cls in STEP_MODELS.items():
         def model(k):
             torch.manual_seed(0)
-            return cls(x.size(1), shape.width, 2, classes, k=k).to(dev)
+            cached = {"cached": True} if kind == "gcn" and shape.gcn_cached else {}
+            return cls(x.size(1), shape.width, 2, classes, k=k, dropout=shape.dropout,
+                       **cached).to(dev)
         for scenario in scenarios:
             with pyg_maxk.use_backend(backend):
                 steps = _scenario_steps(scenario, kind, model, shape.k, x, ei, y, stock_forms)
@@ -427,8 +449,9 @@ def plot_steps(steps: dict, shape: StepShape, hardware: str, path) -> None:
     ax.set_xticks(range(len(labels)), names, rotation=30, ha="right", fontsize=7)
     ax.set_ylabel("MaxK speedup over the fastest stock form")
     nodes = next(iter(steps.values()))["nodes"]
-    ax.set_title(f"{nodes}-node training step, 2 x {shape.width}, k={shape.k}: {hardware}",
-                 fontsize=9)
+    dropout = f", dropout {shape.dropout}" if shape.dropout else ""
+    ax.set_title(f"{nodes}-node training step, 2 x {shape.width}, k={shape.k}{dropout}: "
+                 f"{hardware}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
