@@ -109,3 +109,25 @@ def test_flushed_denormals_read_as_zero():
         pytest.skip("this CPU has no flush-to-zero mode")
     tiny = torch.tensor([1e-39, 1.0])  # 1e-39 is denormal in float32
     assert (tiny * 1.0).tolist() == [0.0, 1.0]
+
+
+def test_side_by_side_full_batch_runs_train_as_they_do_alone():
+    # --compare alternates the two models' epochs; each keeps its own random
+    # draws (dropout), so both train exactly as they do one after the other.
+    from pyg_maxk.app.datasets import load_dataset
+    from pyg_maxk.app.training import (
+        TrainConfig,
+        train_full_batch,
+        train_full_batch_side_by_side,
+    )
+    task = load_dataset("small", "data", scale=0.05, seed=0)
+    cfg = TrainConfig(model="sage", k=4, hidden=16, epochs=4, dropout=0.5, device="cpu")
+    alone = [train_full_batch(task, cfg, k, verbose=False) for k in (4, None)]
+    together = train_full_batch_side_by_side(task, cfg, [4, None], verbose=False)
+    for a, b in zip(alone, together):
+        assert a.label == b.label and a.adjacency == b.adjacency
+        assert a.losses == b.losses
+        assert (a.test_metric, a.val_metric) == (b.test_metric, b.val_metric)
+        for p, q in zip(a.model.parameters(), b.model.parameters()):
+            assert torch.equal(p, q)
+    assert alone[0].losses != alone[1].losses

@@ -240,44 +240,118 @@ def autocast(cfg: TrainConfig, device: torch.device):
 # -------------------------------------------------------------- full batch
 def train_full_batch(task: NodeTask, cfg: TrainConfig, k: Optional[int],
                      verbose: bool = True) -> RunResult:
-    device = torch.device(cfg.device)
-    data = task.data.to(device)
-    adj, form = data.edge_index, None
-    if k is None:  # the stock model, in its fastest (or the requested) form
-        adj, form = stock_adjacency(cfg.stock_form, data.edge_index, data.num_nodes, device,
-                                    cfg.autocast is not None)
-    seed_everything(cfg.seed)
-    # Full batch: GCN's normalisation is computed once on both sides.
-    kwargs = {"cached": True} if cfg.model == "gcn" else {}
-    model = build_model(cfg, data.num_features, task.num_classes, k, **kwargs).to(device)
-    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    progress = _start_run(cfg, device, k, verbose)
-    times, losses = [], []
-    best_val, test_at_best = -1.0, 0.0
-    for epoch in range(1, cfg.epochs + 1):
+    """Train one model (MaxK, or stock with ``k=None``) on the whole graph."""
+    run = FullBatchRun(task, cfg, k, verbose)
+    for _ in range(cfg.epochs):
+        run.epoch()
+    return run.result()
+
+
+def train_full_batch_side_by_side(task: NodeTask, cfg: TrainConfig, ks: List[Optional[int]],
+                                  verbose: bool = True) -> List[RunResult]:
+    """Train one model per ``k`` on the whole graph, their epochs alternating
+    (each model's first, then each one's second, ...): a small graph's epoch
+    is bound by host time, which drifts by tens of percent within a minute,
+    and alternating exposes every model to the same drift. Each model trains
+    as :func:`train_full_batch` trains it alone: the same random draws (each
+    run keeps its own generator states), the same results."""
+    runs = [FullBatchRun(task, cfg, k, verbose) for k in ks]
+    for _ in range(cfg.epochs):
+        for run in runs:
+            run.epoch()
+    return [run.result() for run in runs]
+
+
+class FullBatchRun:
+    """One model's full-batch training, an epoch per :meth:`epoch` call.
+
+    Between its epochs other runs may train: each run restores its own
+    random generator states around its epochs, and counts as its peak memory
+    what it would have allocated alone (its own resident tensors plus the
+    peak above them during its epochs), not the other runs' tensors."""
+
+    def __init__(self, task: NodeTask, cfg: TrainConfig, k: Optional[int],
+                 verbose: bool = True) -> None:
+        self.task, self.cfg, self.k = task, cfg, k
+        self.device = device = torch.device(cfg.device)
+        allocated_before = _allocated(device)
+        self.data = data = task.data.to(device)
+        self.adj, self.form = data.edge_index, None
+        if k is None:  # the stock model, in its fastest (or the requested) form
+            self.adj, self.form = stock_adjacency(cfg.stock_form, data.edge_index,
+                                                  data.num_nodes, device,
+                                                  cfg.autocast is not None)
+        seed_everything(cfg.seed)
+        # Full batch: GCN's normalisation is computed once on both sides.
+        kwargs = {"cached": True} if cfg.model == "gcn" else {}
+        self.model = build_model(cfg, data.num_features, task.num_classes, k,
+                                 **kwargs).to(device)
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg.lr,
+                                    weight_decay=cfg.weight_decay)
+        self.progress = Progress(_label(k), cfg.epochs, cfg, verbose)
+        self.random_states = _random_states(device)
+        self.resident = _allocated(device) - allocated_before  # bytes this run holds
+        self.peak = self.resident
+        self.times: List[float] = []
+        self.losses: List[float] = []
+        self.best_val, self.test_at_best = -1.0, 0.0
+
+    def epoch(self) -> None:
+        """One training step, timed, then the validation (and test) scores."""
+        cfg, task, data, device, model = self.cfg, self.task, self.data, self.device, self.model
+        _set_random_states(device, self.random_states)
+        allocated_before = _allocated(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         _sync(device)
         start = time.perf_counter()
         model.train()
-        opt.zero_grad(set_to_none=True)
+        self.opt.zero_grad(set_to_none=True)
         with autocast(cfg, device):
-            out = model(data.x, adj)
+            out = model(data.x, self.adj)
             loss = loss_fn(task, out[data.train_mask], data.y[data.train_mask])
         loss.backward()
-        opt.step()
+        self.opt.step()
         _sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
+        self.times.append((time.perf_counter() - start) * 1e3)
         model.eval()
         with torch.no_grad(), autocast(cfg, device):
-            out = model(data.x, adj)
+            out = model(data.x, self.adj)
         val = score(task, out[data.val_mask], data.y[data.val_mask])
-        if val > best_val:
-            best_val = val
-            test_at_best = score(task, out[data.test_mask], data.y[data.test_mask])
-        losses.append(loss.item())
-        progress.update(epoch, losses[-1], val, task.metric)
-    progress.close()
-    return RunResult(_label(k), test_at_best, best_val, _steady(times), _peak_mib(device), losses,
-                     model=model, adjacency=form or "edge_index")
+        if val > self.best_val:
+            self.best_val = val
+            self.test_at_best = score(task, out[data.test_mask], data.y[data.test_mask])
+        self.losses.append(loss.item())
+        del out, loss
+        if device.type == "cuda":
+            above = torch.cuda.max_memory_allocated(device) - allocated_before
+            self.peak = max(self.peak, self.resident + above)
+            self.resident += _allocated(device) - allocated_before  # e.g. Adam's state
+        self.random_states = _random_states(device)
+        self.progress.update(len(self.losses), self.losses[-1], val, task.metric)
+
+    def result(self) -> RunResult:
+        self.progress.close()
+        peak = self.peak / 2**20 if self.device.type == "cuda" else float("nan")
+        return RunResult(_label(self.k), self.test_at_best, self.best_val, _steady(self.times),
+                         peak, self.losses, model=self.model,
+                         adjacency=self.form or "edge_index")
+
+
+def _allocated(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def _random_states(device: torch.device) -> tuple:
+    """The states of torch's generators that a training step draws from."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_random_states(device: torch.device, states: tuple) -> None:
+    torch.set_rng_state(states[0])
+    if states[1] is not None:
+        torch.cuda.set_rng_state(states[1], device)
 
 
 # -------------------------------------------------------------- mini-batch
