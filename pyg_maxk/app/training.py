@@ -268,7 +268,10 @@ class FullBatchRun:
     Between its epochs other runs may train: each run restores its own
     random generator states around its epochs, and counts as its peak memory
     what it would have allocated alone (its own resident tensors plus the
-    peak above them during its epochs), not the other runs' tensors."""
+    peak above them during its epochs), not the other runs' tensors. (Bytes
+    that another run allocated and this run's epoch frees, such as a dead
+    graph that the graph cache drops at its next insertion, count as this
+    run's.)"""
 
     def __init__(self, task: NodeTask, cfg: TrainConfig, k: Optional[int],
                  verbose: bool = True) -> None:
