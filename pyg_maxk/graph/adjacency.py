@@ -33,11 +33,16 @@ def is_torch_sparse(adj: Any) -> bool:
 
 def is_edge_index_type(adj: Any) -> bool:
     """True for a :class:`torch_geometric.EdgeIndex`."""
-    try:
-        from torch_geometric import EdgeIndex
-    except ImportError:  # pragma: no cover - very old PyG
-        return False
-    return isinstance(adj, EdgeIndex)
+    global _EDGE_INDEX
+    if _EDGE_INDEX is None:  # asked on every layer call: the import looked up once
+        try:
+            from torch_geometric import EdgeIndex as _EDGE_INDEX
+        except ImportError:  # pragma: no cover - very old PyG
+            _EDGE_INDEX = ()
+    return isinstance(adj, _EDGE_INDEX)
+
+
+_EDGE_INDEX: Any = None
 
 
 def as_sparse_csr(adj: Tensor) -> Tensor:
