@@ -145,3 +145,24 @@ def test_side_by_side_full_batch_runs_train_as_they_do_alone(device):
         else:
             assert b.peak_mib == pytest.approx(a.peak_mib, rel=0.05)
     assert alone[0].losses != alone[1].losses
+
+
+@pytest.mark.parametrize("model", ["sage", "gcn"])
+def test_full_batch_warm_up_step_changes_no_result(model, monkeypatch):
+    # Each full-batch run first takes a step on copies of its model and
+    # optimizer (so that one-time allocations count against no run): the
+    # run then trains exactly as without it (the same draws, weights and
+    # GCN's cached normalisation).
+    from pyg_maxk.app.datasets import load_dataset
+    from pyg_maxk.app.training import FullBatchRun, TrainConfig, train_full_batch
+    task = load_dataset("small", "data", scale=0.05, seed=0)
+    cfg = TrainConfig(model=model, k=4, hidden=16, epochs=3, dropout=0.5, device="cpu")
+    runs = {}
+    for label in ("warm-up", "none"):
+        if label == "none":
+            monkeypatch.setattr(FullBatchRun, "_warm_up", lambda self: None)
+        runs[label] = [train_full_batch(task, cfg, k, verbose=False) for k in (4, None)]
+    for a, b in zip(runs["warm-up"], runs["none"]):
+        assert a.losses == b.losses
+        for p, q in zip(a.model.parameters(), b.model.parameters()):
+            assert torch.equal(p, q)
