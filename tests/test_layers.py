@@ -18,6 +18,7 @@ from helpers import (
     adjacency,
     assert_same_as_stock,
     dense_maxk,
+    gin_mlp,
     make_pair,
     random_edge_index,
     random_features,
@@ -361,6 +362,82 @@ def test_contract_gin_root_term_dense_and_scattered(form, dense_root, monkeypatc
         stock.zero_grad()
         ours.zero_grad()
     assert bool(scattered) != dense_root
+
+
+@pytest.mark.parametrize("loops_in_edge_index", [False, True])
+def test_gin_root_term_runs_as_self_loops_at_a_fixed_eps_of_zero(loops_in_edge_index):
+    # At a fixed eps = 0 on a small CPU graph the root term is one more edge
+    # i -> i per node of the graph built from the edge_index (one sum, no
+    # root term); the edge_index's own self-loops stay edges.
+    from torch_geometric.nn import GINConv
+    ei = random_edge_index(N, N, 50, seed=5)
+    if loops_in_edge_index:
+        ei = torch.cat([ei, torch.arange(0, N, 2).expand(2, -1)], dim=1)
+    torch.manual_seed(0)
+    ours, stock = MaxKGINConv(gin_mlp(), k=K), GINConv(gin_mlp())
+    x = random_features()
+    graph = ours.graph_for(ei, x, x)
+    assert graph.root_loops and graph.num_edges == ei.size(1) + N
+    for backend in ("cpu", "torch"):
+        assert_same_as_stock(ours, stock, x, (ei,), K, backend=backend)
+        ours.zero_grad()
+        stock.zero_grad()
+
+
+def test_gin_root_loops_follow_eps_and_its_in_place_edits():
+    # eps is read once per in-place change: an edited or trained eps takes
+    # the root term again, an eps set back to 0 the loops.
+    from torch_geometric.nn import GINConv
+    ei = random_edge_index(N, N, 50, seed=6)
+    torch.manual_seed(0)
+    ours, stock = MaxKGINConv(gin_mlp(), k=K), GINConv(gin_mlp())
+    x = random_features()
+    assert ours.graph_for(ei, x, x).root_loops
+    stock.eps.fill_(0.5)  # copied into ours in place by the check's load_state_dict
+    assert_same_as_stock(ours, stock, x, (ei,), K, backend="cpu")
+    assert not ours.graph_for(ei, x, x).root_loops
+    ours.eps.zero_()
+    assert ours.graph_for(ei, x, x).root_loops
+    assert not MaxKGINConv(gin_mlp(), k=K, train_eps=True).graph_for(ei, x, x).root_loops
+    x64 = x.double()
+    assert ours.graph_for(ei, x64, x64).root_loops  # any features' type
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not ours.graph_for(ei, x, x).root_loops
+
+
+def test_graph_with_gin_root_loops_serves_only_convs_that_fold_them():
+    import copy
+    import pickle
+    ei = random_edge_index(N, N, 50, seed=7)
+    graph = pyg_maxk.CSRGraph.from_adj(ei, (N, N), root_loops=True)
+    for kept in (copy.deepcopy(graph), pickle.loads(pickle.dumps(graph)), graph.to("cpu")):
+        assert kept.root_loops
+    x = random_features()
+    torch.manual_seed(0)
+    gin = MaxKGINConv(gin_mlp(), k=K)
+    torch.testing.assert_close(gin(x, graph), gin(x, ei))
+    for other in (MaxKGINConv(gin_mlp(), k=K, eps=0.5),
+                  MaxKGINConv(gin_mlp(), k=K, train_eps=True),
+                  MaxKSAGEConv(F_IN, F_OUT, k=K, aggr="add")):
+        with pytest.raises(ValueError, match="root term as self-loops"):
+            other(x, graph)
+    with pytest.raises(ValueError, match="square"):
+        pyg_maxk.CSRGraph.from_adj(ei, (N, N + 1), root_loops=True)
+    with pytest.raises(ValueError, match="sum"):
+        pyg_maxk.CSRGraph.from_adj(ei, (N, N), normalization="mean", root_loops=True)
+
+
+def test_gin_model_whose_convs_differ_in_eps_resolves_the_graph_per_conv(monkeypatch):
+    # The model resolves one graph for every conv, unless one of them cannot
+    # take GIN's root loops: then each conv takes the edge_index.
+    from pyg_maxk.nn import MaxKGIN, gin_conv
+    torch.manual_seed(0)
+    model = MaxKGIN(F_IN, 16, 2, 3, k=K)
+    model.convs[1].eps.fill_(0.5)
+    x, ei = random_features(), random_edge_index(N, N, 50, seed=8)
+    out = model(x, ei)
+    monkeypatch.setattr(gin_conv, "root_loops_pay", lambda x: False)
+    torch.testing.assert_close(out, model(x, ei))
 
 
 def test_gin_root_term_scattered_under_autocast_or_other_dtypes():

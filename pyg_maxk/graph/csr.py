@@ -228,7 +228,7 @@ class CSRGraph:
             return None if t is None else t.to(device, non_blocking=non_blocking)
         graph = CSRGraph(move(self.rowptr), move(self.col), move(self.weight), self.size,
                          self.normalization, move(self.row_scale))
-        graph.gcn_options = self.gcn_options
+        graph.gcn_options, graph.root_loops = self.gcn_options, self.root_loops
         for max_edges in self._operands:
             graph._build_operands(max_edges)
         if self._static:
@@ -237,6 +237,9 @@ class CSRGraph:
 
     #: ``(improved, add_self_loops)`` of the ``gcn_norm`` a ``"gcn"`` graph holds.
     gcn_options: Optional[Tuple[bool, bool]] = None
+    #: Whether the graph holds GIN's root term as one self-loop per node
+    #: (:meth:`from_adj`'s ``root_loops``).
+    root_loops: bool = False
 
     def __getstate__(self) -> dict:
         # The graph's own arrays are views of a packed byte buffer, which
@@ -248,7 +251,7 @@ class CSRGraph:
         return {"rowptr": own(self.rowptr), "col": own(self.col), "weight": own(self.weight),
                 "row_scale": own(self.row_scale), "size": self.size,
                 "normalization": self.normalization, "gcn_options": self.gcn_options,
-                "edge_order": own(self.edge_order),
+                "root_loops": self.root_loops, "edge_order": own(self.edge_order),
                 "operands": sorted(self._operands), "bounded": sorted(self._bounded),
                 "static": self._static}
 
@@ -256,6 +259,7 @@ class CSRGraph:
         self.__init__(state["rowptr"], state["col"], state["weight"], state["size"],
                       state["normalization"], state["row_scale"])
         self.gcn_options, self.edge_order = state["gcn_options"], state["edge_order"]
+        self.root_loops = state.get("root_loops", False)
         for max_edges in state["operands"]:
             self._build_operands(max_edges, max_edges in state["bounded"])
         if state["static"]:
@@ -570,7 +574,7 @@ class CSRGraph:
                  *, edge_weight: Optional[Tensor] = None, normalization: str = "sum",
                  use_sparse_tensor_values: bool = True, gcn_improved: bool = False,
                  gcn_add_self_loops: bool = True, dtype: torch.dtype = torch.float32,
-                 cache: bool = True) -> "CSRGraph":
+                 cache: bool = True, root_loops: bool = False) -> "CSRGraph":
         """The graph of any adjacency form PyG's convs accept.
 
         Args:
@@ -589,6 +593,11 @@ class CSRGraph:
             gcn_improved, gcn_add_self_loops: options of ``gcn_norm``.
             dtype: floating type of the edge values.
             cache (bool): look the graph up in / store it into the cache.
+            root_loops (bool): for an ``edge_index`` of a square ``"sum"``
+                graph, one more edge ``i -> i`` (value 1) per node after its
+                edges: GIN's root term at ``eps = 0`` folded into the
+                aggregation (:attr:`root_loops` records it; only
+                :class:`~pyg_maxk.nn.MaxKGINConv` takes such a graph).
         """
         if isinstance(adj, CSRGraph):
             return adj
@@ -609,19 +618,41 @@ class CSRGraph:
                                           gcn_improved, gcn_add_self_loops, dtype)
         anchors, versions = fingerprint(adj, edge_weight)
         params = (normalization, use_sparse_tensor_values, gcn_improved,
-                  gcn_add_self_loops, dtype, tuple(size) if size is not None else None)
+                  gcn_add_self_loops, dtype, tuple(size) if size is not None else None,
+                  root_loops)
         if cache:
             hit = _CACHE.get(anchors, versions, params)
             if hit is not None:
                 return hit
+        if root_loops:
+            adj = _with_root_loops(adj, size, edge_weight, normalization)
         graph = _build(adj, size, edge_weight, normalization,
                        use_sparse_tensor_values, gcn_improved,
                        gcn_add_self_loops, dtype)
+        graph.root_loops = root_loops
         if normalization == "gcn":
             graph.gcn_options = (bool(gcn_improved), bool(gcn_add_self_loops))
         if cache:
             _CACHE.put(anchors, versions, params, graph)
         return graph
+
+
+def _with_root_loops(adj: Any, size, edge_weight: Optional[Tensor], normalization: str
+                     ) -> Tensor:
+    """``adj`` (an ``edge_index``) with one edge ``i -> i`` per node appended:
+    the stable sort by target puts each after the node's own edges, so that
+    a row sums its neighbours, then the node itself (the order of
+    :class:`~torch_geometric.nn.conv.GINConv`'s ``aggr + (1 + eps) * x``)."""
+    if not isinstance(adj, Tensor) or is_sparse_tensor(adj) or is_torch_sparse(adj):
+        raise ValueError("root_loops needs an edge_index [2, E] adjacency")
+    if normalization != "sum" or edge_weight is not None:
+        raise ValueError("root_loops needs a 'sum' graph without edge values")
+    if size is None or size[0] is None or size[0] != size[1]:
+        raise ValueError(f"root_loops needs a square adjacency, got size={size}")
+    check_edge_index(adj)
+    adj = plain(adj)
+    loops = torch.arange(int(size[0]), dtype=adj.dtype, device=adj.device)
+    return torch.cat([adj, loops.expand(2, -1)], dim=1)
 
 
 def _simulated_kernels() -> bool:

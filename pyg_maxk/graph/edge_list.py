@@ -77,6 +77,7 @@ class EdgeListGraph:
         self.num_src, self.num_dst = int(size[0]), int(size[1])
         self.normalization = normalization
         self.gcn_options: Optional[Tuple[bool, bool]] = None
+        self.root_loops = False  # never built with GIN's root loops (edge_list_graph)
         self._edge_index, self._csr_options = edge_index, csr_options
         self._csr = None
         self._cache_hits = 0
@@ -182,17 +183,19 @@ def takes_edge_list(adj: Any, edge_weight: Optional[Tensor], dtype: torch.dtype)
 def edge_list_graph(adj: Any, size: Tuple[int, int], *, edge_weight: Optional[Tensor] = None,
                     normalization: str = "sum", use_sparse_tensor_values: bool = True,
                     gcn_improved: bool = False, gcn_add_self_loops: bool = True,
-                    dtype: torch.dtype = torch.float32) -> Optional[EdgeListGraph]:
+                    dtype: torch.dtype = torch.float32,
+                    root_loops: bool = False) -> Optional[EdgeListGraph]:
     """The :class:`EdgeListGraph` of a GPU ``edge_index`` (with
     :meth:`CSRGraph.from_adj`'s options), cached as graphs are; None where
     its :class:`CSRGraph` serves instead: where :func:`takes_edge_list`
-    does not hold, where the CSR graph is cached, and for an ``edge_index``
-    seen :data:`CSR_AFTER_HITS` times (a fixed graph)."""
-    if not takes_edge_list(adj, edge_weight, dtype):
+    does not hold, for GIN's ``root_loops``, where the CSR graph is cached,
+    and for an ``edge_index`` seen :data:`CSR_AFTER_HITS` times (a fixed
+    graph)."""
+    if root_loops or not takes_edge_list(adj, edge_weight, dtype):
         return None
     anchors, versions = fingerprint(adj, edge_weight)
     params = (normalization, use_sparse_tensor_values, gcn_improved, gcn_add_self_loops,
-              dtype, tuple(size))
+              dtype, tuple(size), False)  # CSRGraph.from_adj's key, without root loops
     if _CACHE.holds(anchors, versions, params):
         return None
     graph = _EDGE_LISTS.get(anchors, versions, params)

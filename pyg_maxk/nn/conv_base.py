@@ -222,6 +222,12 @@ class MaxKConv(MessagePassing):
         :meth:`CSRGraph.from_adj` (``normalization`` and its options)."""
         raise NotImplementedError
 
+    def adjacency_options(self, adj: Any, x_src: Features, x_dst: Optional[Features],
+                          sizes: Tuple[int, int]) -> dict:
+        """Options of :meth:`CSRGraph.from_adj` that this call adds to
+        :meth:`graph_options` (none here)."""
+        return {}
+
     def graph_for(self, adj: Any, x_src: Features, x_dst: Optional[Features] = None,
                   size: Size = None, *,
                   edge_weight: Optional[Tensor] = None) -> Graph:
@@ -246,6 +252,7 @@ class MaxKConv(MessagePassing):
             raise ValueError(
                 f"The features are on {device} but the adjacency is on "
                 f"{_adj_device(adj)}; move both to the same device")
+        options.update(self.adjacency_options(adj, x_src, x_dst, sizes))
         mask = self.explain_edge_mask()
         dtype = torch.float64 if x_src.dtype == torch.float64 else torch.float32
         if mask is not None or _learnable(edge_weight) or _learnable_values(adj, options):
@@ -301,6 +308,11 @@ class MaxKConv(MessagePassing):
         if edge_weight is not None:
             raise ValueError(f"{name} got edge_weight with a CSRGraph: a prepared graph "
                              f"holds its edge values; build it with them instead")
+        if graph.root_loops and not options.get("root_loops", False):
+            raise ValueError(
+                f"{name} got a graph that holds GIN's root term as self-loops (built for a "
+                f"MaxKGINConv with eps = 0): pass the edge_index, or a graph built without "
+                f"root_loops")
         if normalization == "gcn":
             wanted = (bool(options.get("gcn_improved", False)),
                       bool(options.get("gcn_add_self_loops", True)))

@@ -1,13 +1,15 @@
 from __future__ import annotations
 
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 from torch_geometric.nn.inits import reset
 from torch_geometric.typing import Adj, Size
 
-from ..dispatch import dense_root_pays
+from ..dispatch import dense_root_pays, root_loops_pay
+from ..graph import CSRGraph, is_torch_sparse
 from .conv_base import Features, MaxKConv, PairFeatures
 
 
@@ -25,7 +27,10 @@ class MaxKGINConv(MaxKConv):
     form of :math:`\mathbf{h}` (written with the aggregation, in one autograd
     node) on small graphs, whose steps are bound by launches and nodes;
     elsewhere it is scattered from the CBSR values straight into the
-    aggregate, never densified.
+    aggregate, never densified. Where
+    :func:`~pyg_maxk.dispatch.root_loops_pay` and :math:`\epsilon = 0` is
+    fixed, it is one more edge :math:`i \to i` per node of the graph built
+    from an ``edge_index`` instead (one sum, no root term at all).
 
     Args:
         nn (torch.nn.Module): the network :math:`h_{\mathbf{\Theta}}`.
@@ -63,10 +68,32 @@ class MaxKGINConv(MaxKConv):
     def graph_options(self) -> dict:
         return {"normalization": "sum", "use_sparse_tensor_values": False}
 
+    def adjacency_options(self, adj: Any, x_src: Features, x_dst: Optional[Features],
+                          sizes: Tuple[int, int]) -> dict:
+        """``root_loops`` where the root term can be one self-loop per node of
+        the graph: ``x_src`` as ``x_dst`` on a square ``edge_index`` (or on
+        a graph built so), ``eps = 0`` and not trained, outside
+        autocast and compiled code, where
+        :func:`~pyg_maxk.dispatch.root_loops_pay`."""
+        if not (x_dst is x_src and isinstance(x_src, Tensor) and sizes[0] == sizes[1]):
+            return {}
+        if isinstance(adj, CSRGraph):
+            if not adj.root_loops:
+                return {}
+        elif not isinstance(adj, Tensor) or is_torch_sparse(adj) or adj.dim() != 2:
+            return {}
+        if (torch.compiler.is_compiling() or self.eps.requires_grad
+                or torch.is_autocast_enabled(x_src.device.type)
+                or not root_loops_pay(x_src) or not _is_zero(self.eps)):
+            return {}
+        return {"root_loops": True}
+
     def forward(self, x: Union[Features, PairFeatures], edge_index: Adj,
                 size: Size = None) -> Tensor:
         x_src, x_dst = self.split_features(x)
         graph = self.graph_for(edge_index, x_src, x_dst, size)
+        if graph.root_loops:  # the root term is among the edges
+            return self.nn(self.sparsify_and_aggregate(graph, x_src)[0])
         dense_root = x_dst is x_src and self.dense_root_pays(x_src)
         out, h_src, dense = self.sparsify_and_aggregate(graph, x_src, with_dense=dense_root)
         if dense_root:
@@ -86,3 +113,15 @@ class MaxKGINConv(MaxKConv):
 
     def __repr__(self) -> str:
         return f"{self.__class__.__name__}(nn={self.nn}, {self._extra_repr_k()})"
+
+
+#: For each ``eps`` tensor seen: ``(its version counter, whether it is 0)``,
+#: so that its value is read once per in-place change, not on every call.
+_ZERO_AT_VERSION = WeakIdKeyDictionary()
+
+
+def _is_zero(eps: Tensor) -> bool:
+    seen = _ZERO_AT_VERSION.get(eps)
+    if seen is None or seen[0] != eps._version:
+        seen = _ZERO_AT_VERSION[eps] = (eps._version, bool((eps == 0).all()))
+    return seen[1]

@@ -101,9 +101,13 @@ class MaxKBasicGNN(torch.nn.Module):
             # Every conv aggregates over the same graph: resolve it once (one
             # graph break under torch.compile for a raw adjacency, none for a
             # CSRGraph), not once per conv.
-            edge_index = self.convs[0].graph_for(
+            graph = self.convs[0].graph_for(
                 edge_index, x, x, edge_weight=edge_weight if self.supports_edge_weight else None)
-            edge_weight = None
+            # A graph that holds GIN's root term serves convs that fold it.
+            if not graph.root_loops or all(
+                    conv.adjacency_options(graph, x, x, (graph.num_src, graph.num_dst))
+                    for conv in self.convs[1:]):
+                edge_index, edge_weight = graph, None
         for layer, conv in enumerate(self.convs):
             if not self.is_maxk:  # the stock baseline: ReLU + dropout
                 x = F.dropout(x.relu(), p=self.dropout, training=self.training)
