@@ -385,8 +385,8 @@ def test_gin_root_term_runs_as_self_loops_at_a_fixed_eps_of_zero(loops_in_edge_i
 
 
 def test_gin_root_loops_follow_eps_and_its_in_place_edits():
-    # eps is read once per in-place change: an edited or trained eps takes
-    # the root term again, an eps set back to 0 the loops.
+    # An edited (in place, or through .data, which no version counter sees)
+    # or trained eps takes the root term again, an eps set back to 0 the loops.
     from torch_geometric.nn import GINConv
     ei = random_edge_index(N, N, 50, seed=6)
     torch.manual_seed(0)
@@ -398,6 +398,9 @@ def test_gin_root_loops_follow_eps_and_its_in_place_edits():
     assert not ours.graph_for(ei, x, x).root_loops
     ours.eps.zero_()
     assert ours.graph_for(ei, x, x).root_loops
+    ours.eps.data.fill_(0.25)
+    assert not ours.graph_for(ei, x, x).root_loops
+    ours.eps.data.zero_()
     assert not MaxKGINConv(gin_mlp(), k=K, train_eps=True).graph_for(ei, x, x).root_loops
     x64 = x.double()
     assert ours.graph_for(ei, x64, x64).root_loops  # any features' type
