@@ -344,10 +344,10 @@ class FullBatchRun:
     def _warm_up(self) -> None:
         """One step on copies of the model and optimizer, then the graph cache
         cleared: what a process allocates once on its first steps (cuBLAS
-        workspaces, tens of MiB) then exists before any run counts its
-        memory, instead of counting against the first run, and each run
-        still builds (and counts) its own graph. (Its random draws are
-        undone: each epoch starts from the run's saved generator states.)"""
+        workspaces, tens of MiB) exists before any run counts its memory, so
+        it counts against none, and each run still builds (and counts) its
+        own graph. (Its random draws are undone: each epoch starts from the
+        run's saved generator states.)"""
         model = copy.deepcopy(self.model)
         opt = type(self.opt)(model.parameters(), **self.opt.defaults)
         self._train_step(model, opt)
