@@ -650,9 +650,8 @@ def _with_root_loops(adj: Any, size, edge_weight: Optional[Tensor], normalizatio
     if size is None or size[0] is None or size[0] != size[1]:
         raise ValueError(f"root_loops needs a square adjacency, got size={size}")
     check_edge_index(adj)
-    adj = plain(adj)
-    loops = torch.arange(int(size[0]), dtype=adj.dtype, device=adj.device)
-    return torch.cat([adj, loops.expand(2, -1)], dim=1)
+    from torch_geometric.utils import add_self_loops  # appends; keeps existing loops
+    return add_self_loops(plain(adj), num_nodes=int(size[0]))[0]
 
 
 def _simulated_kernels() -> bool:
