@@ -118,7 +118,8 @@ def test_flushed_denormals_read_as_zero():
 def test_side_by_side_full_batch_runs_train_as_they_do_alone(device):
     # --compare alternates the two models' epochs; each keeps its own random
     # draws (dropout), so both train exactly as they do one after the other,
-    # and each counts its own peak memory, not the other model's tensors.
+    # and each counts its own peak memory, not the other model's tensors (nor
+    # the dataset, which the first run in a process would otherwise count).
     from pyg_maxk.app.datasets import load_dataset
     from pyg_maxk.app.training import (
         TrainConfig,
@@ -134,6 +135,7 @@ def test_side_by_side_full_batch_runs_train_as_they_do_alone(device):
         # another run's epochs, whose peak would count it as freed.
         pyg_maxk.clear_graph_cache()
     together = train_full_batch_side_by_side(task, cfg, [4, None], verbose=False)
+    assert task.data.x.device.type == "cpu"  # the caller's task stays where it was
     for a, b in zip(alone, together):
         assert a.label == b.label and a.adjacency == b.adjacency
         assert a.losses == pytest.approx(b.losses, rel=1e-5)  # GPU sums: float atomics

@@ -11,7 +11,7 @@ import os
 import statistics
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -243,7 +243,7 @@ def autocast(cfg: TrainConfig, device: torch.device):
 def train_full_batch(task: NodeTask, cfg: TrainConfig, k: Optional[int],
                      verbose: bool = True) -> RunResult:
     """Train one model (MaxK, or stock with ``k=None``) on the whole graph."""
-    run = FullBatchRun(task, cfg, k, verbose)
+    run = FullBatchRun(_on_device(task, cfg), cfg, k, verbose)
     for _ in range(cfg.epochs):
         run.epoch()
     return run.result()
@@ -257,11 +257,19 @@ def train_full_batch_side_by_side(task: NodeTask, cfg: TrainConfig, ks: List[Opt
     and alternating exposes every model to the same drift. Each model trains
     as :func:`train_full_batch` trains it alone: the same random draws (each
     run keeps its own generator states), the same results."""
+    task = _on_device(task, cfg)
     runs = [FullBatchRun(task, cfg, k, verbose) for k in ks]
     for _ in range(cfg.epochs):
         for run in runs:
             run.epoch()
     return [run.result() for run in runs]
+
+
+def _on_device(task: NodeTask, cfg: TrainConfig) -> NodeTask:
+    """``task`` with its data on the training device, leaving the caller's
+    task as it is (PyG's ``Data.to`` moves in place): moved before any run
+    counts its memory, the dataset that every run reads counts against none."""
+    return replace(task, data=copy.copy(task.data).to(torch.device(cfg.device)))
 
 
 class FullBatchRun:
@@ -270,7 +278,9 @@ class FullBatchRun:
     Between its epochs other runs may train: each run restores its own
     random generator states around its epochs, and counts as its peak memory
     what it would have allocated alone (its own resident tensors plus the
-    peak above them during its epochs), not the other runs' tensors. (Bytes
+    peak above them during its epochs), not the other runs' tensors nor the
+    dataset already on the device (the training functions move it there
+    first, for every run alike). (Bytes
     that another run allocated and this run's epoch frees, such as a dead
     graph that the graph cache drops at its next insertion, count as this
     run's.)"""
@@ -280,7 +290,7 @@ class FullBatchRun:
         self.task, self.cfg, self.k = task, cfg, k
         self.device = device = torch.device(cfg.device)
         allocated_before = _allocated(device)
-        self.data = data = task.data.to(device)
+        self.data = data = copy.copy(task.data).to(device)  # the caller's task unmoved
         self.adj, self.form = data.edge_index, None
         if k is None:  # the stock model, in its fastest (or the requested) form
             self.adj, self.form = stock_adjacency(cfg.stock_form, data.edge_index,
@@ -304,7 +314,7 @@ class FullBatchRun:
 
     def epoch(self) -> None:
         """One training step, timed, then the validation (and test) scores."""
-        cfg, task, data, device, model = self.cfg, self.task, self.data, self.device, self.model
+        task, data, device, model = self.task, self.data, self.device, self.model
         _set_random_states(device, self.random_states)
         allocated_before = _allocated(device)
         if device.type == "cuda":
@@ -314,9 +324,7 @@ class FullBatchRun:
         loss = self._train_step(model, self.opt)
         _sync(device)
         self.times.append((time.perf_counter() - start) * 1e3)
-        model.eval()
-        with torch.no_grad(), autocast(cfg, device):
-            out = model(data.x, self.adj)
+        out = self._evaluate(model)
         val = score(task, out[data.val_mask], data.y[data.val_mask])
         if val > self.best_val:
             self.best_val = val
@@ -341,16 +349,25 @@ class FullBatchRun:
         opt.step()
         return loss
 
+    def _evaluate(self, model: torch.nn.Module) -> Tensor:
+        """The output of ``model`` in eval mode, without autograd."""
+        model.eval()
+        with torch.no_grad(), autocast(self.cfg, self.device):
+            return model(self.data.x, self.adj)
+
     def _warm_up(self) -> None:
-        """One step on copies of the model and optimizer, then the graph cache
-        cleared: what a process allocates once on its first steps (cuBLAS
-        workspaces, tens of MiB) exists before any run counts its memory, so
-        it counts against none, and each run still builds (and counts) its
-        own graph. (Its random draws are undone: each epoch starts from the
-        run's saved generator states.)"""
+        """One epoch (a step and the evaluation) on copies of the model and
+        optimizer, then the graph cache cleared: what a process allocates
+        once on its first epoch (cuBLAS workspaces, tens of MiB, and smaller
+        buffers of the evaluation's ops) exists before any run counts its
+        memory, so it counts against none, and each run still builds (and
+        counts) its own graph. (Its random draws are undone: each epoch
+        starts from the run's saved generator states.)"""
         model = copy.deepcopy(self.model)
         opt = type(self.opt)(model.parameters(), **self.opt.defaults)
         self._train_step(model, opt)
+        data = self.data
+        score(self.task, self._evaluate(model)[data.val_mask], data.y[data.val_mask])
         del model, opt
         _sync(self.device)
         clear_graph_cache()
