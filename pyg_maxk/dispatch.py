@@ -268,10 +268,9 @@ def dense_root_pays(tensor: torch.Tensor) -> bool:
 def root_loops_pay(tensor: torch.Tensor) -> bool:
     """Whether GIN's root term (at ``eps = 0``) runs as one self-loop per node
     of the graph (one sum, no dense root term to add nor its autograd node)
-    rather than as :func:`dense_root_pays` says: on the CPU wherever the
-    dense root pays (where it was measured to pay; a GPU keeps the dense
-    root)."""
-    return tensor.device.type == "cpu" and dense_root_pays(tensor)
+    rather than as :func:`dense_root_pays` says: wherever the dense root
+    pays (small graphs, whose steps are bound by ops and nodes)."""
+    return dense_root_pays(tensor)
 
 
 def cbsr_linear_pays(tensor: torch.Tensor, dim: int, k: int, out: int) -> bool:

@@ -21,8 +21,10 @@ from helpers import (
     check_half_kernels,
     check_half_reductions,
     check_kernels,
+    dense_maxk,
     dense_reference,
     every_k_case,
+    gin_mlp,
     kernel_maxk,
     make_pair,
     poison_allocator,
@@ -583,6 +585,96 @@ def test_a_training_step_on_a_new_graph_makes_no_host_sync(monkeypatch, kind,
         step()
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+def _gin_pair_on_cuda(f_in=24):
+    from torch_geometric.nn import GINConv
+
+    from pyg_maxk.nn import MaxKGINConv
+    torch.manual_seed(0)
+    ours, stock = MaxKGINConv(gin_mlp(f_in), k=6).cuda(), GINConv(gin_mlp(f_in)).cuda()
+    ours.load_state_dict(stock.state_dict())
+    return ours, stock
+
+
+def _assert_gin_calls_match_stock(ours, stock, x, ei, calls):
+    # No load_state_dict between calls (it edits eps in place, which makes
+    # the next call read it again): the same weights, call after call.
+    for _ in range(calls):
+        x_ours, x_stock = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out, ref = ours(x_ours, ei), stock(dense_maxk(x_stock, 6), ei)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+        weight = torch.randn_like(ref)
+        (out * weight).sum().backward()
+        (ref * weight).sum().backward()
+        torch.testing.assert_close(x_ours.grad, x_stock.grad, rtol=1e-4, atol=1e-5)
+        stock_params = dict(stock.named_parameters())
+        for name, p in ours.named_parameters():
+            torch.testing.assert_close(p.grad, stock_params[name].grad, rtol=1e-4, atol=1e-5)
+        ours.zero_grad()
+        stock.zero_grad()
+        torch.cuda.synchronize()
+
+
+def test_gin_root_term_runs_as_self_loops_once_a_gpu_graph_is_fixed():
+    # At eps = 0 a GPU GIN conv takes a new edge_index as its edge list (the
+    # dense root term), and a fixed one, once it is taken for one, as the CSR
+    # graph with one more edge i -> i per node; stock's result on every call.
+    from pyg_maxk.graph import edge_list
+    ours, stock = _gin_pair_on_cuda()
+    ei = random_edge_index(300, 300, 2000, seed=9).cuda()
+    x = torch.randn(300, 24, device="cuda")
+    assert isinstance(ours.graph_for(ei.clone(), x, x), EdgeListGraph)
+    _assert_gin_calls_match_stock(ours, stock, x, ei, edge_list.CSR_AFTER_HITS + 3)
+    graph = ours.graph_for(ei, x, x)
+    assert isinstance(graph, CSRGraph) and graph.root_loops
+    assert graph.num_edges == ei.size(1) + 300
+
+
+def test_gin_root_loops_on_a_gpu_follow_in_place_edits_of_eps():
+    # eps is read on the host without a sync, from the call after each edit:
+    # the call in between adds the root term itself. Every call as stock's.
+    from pyg_maxk.graph import edge_list
+    ours, stock = _gin_pair_on_cuda()
+    ei = random_edge_index(300, 300, 2000, seed=10).cuda()
+    x = torch.randn(300, 24, device="cuda")
+    calls = edge_list.CSR_AFTER_HITS + 3
+    _assert_gin_calls_match_stock(ours, stock, x, ei, calls)
+    assert ours.graph_for(ei, x, x).root_loops
+    with torch.no_grad():
+        ours.eps.fill_(0.5)
+        stock.eps.fill_(0.5)
+    _assert_gin_calls_match_stock(ours, stock, x, ei, 3)
+    assert not ours.graph_for(ei, x, x).root_loops
+    stock.eps.zero_()
+    ours.load_state_dict(stock.state_dict())
+    _assert_gin_calls_match_stock(ours, stock, x, ei, 3)
+    assert ours.graph_for(ei, x, x).root_loops
+
+
+def test_gin_eps_edited_through_data_under_gpu_root_loops_is_a_device_side_assert():
+    # An edit through .data bumps no version counter, so the host keeps the
+    # value it read: the conv checks eps = 0 on the device (a fresh process:
+    # a device-side assert ends its CUDA context).
+    import subprocess
+    import sys
+    code = ("import torch\n"
+            "from pyg_maxk.nn import MaxKGINConv\n"
+            "conv = MaxKGINConv(torch.nn.Linear(16, 8), k=4).cuda()\n"
+            "ei = torch.randint(0, 50, (2, 200), device='cuda')\n"
+            "x = torch.randn(50, 16, device='cuda')\n"
+            "for _ in range(12):\n"
+            "    conv(x, ei)\n"
+            "    torch.cuda.synchronize()\n"
+            "assert conv.graph_for(ei, x, x).root_loops\n"
+            "conv.eps.data.fill_(0.5)\n"
+            "conv(x, ei)\n"
+            "torch.cuda.synchronize()\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode != 0
+    assert "AssertionError" not in result.stderr, result.stderr[-2000:]
+    assert "device-side assert" in result.stderr or "eps changed" in result.stderr
 
 
 @pytest.mark.parametrize("build", ["CSRGraph.from_adj(ei, (5, 5))",

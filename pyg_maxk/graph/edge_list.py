@@ -188,16 +188,18 @@ def edge_list_graph(adj: Any, size: Tuple[int, int], *, edge_weight: Optional[Te
     """The :class:`EdgeListGraph` of a GPU ``edge_index`` (with
     :meth:`CSRGraph.from_adj`'s options), cached as graphs are; None where
     its :class:`CSRGraph` serves instead: where :func:`takes_edge_list`
-    does not hold, for GIN's ``root_loops``, where the CSR graph is cached,
-    and for an ``edge_index`` seen :data:`CSR_AFTER_HITS` times (a fixed
-    graph)."""
-    if root_loops or not takes_edge_list(adj, edge_weight, dtype):
+    does not hold, where the CSR graph is cached, and for an ``edge_index``
+    seen :data:`CSR_AFTER_HITS` times (a fixed graph). With GIN's
+    ``root_loops`` the edge list holds no loops (its conv adds the root term
+    itself): only a fixed graph's CSR is worth building with them."""
+    if not takes_edge_list(adj, edge_weight, dtype):
         return None
     anchors, versions = fingerprint(adj, edge_weight)
     params = (normalization, use_sparse_tensor_values, gcn_improved, gcn_add_self_loops,
-              dtype, tuple(size), False)  # CSRGraph.from_adj's key, without root loops
-    if _CACHE.holds(anchors, versions, params):
+              dtype, tuple(size))  # CSRGraph.from_adj's key, without root loops
+    if _CACHE.holds(anchors, versions, params + (root_loops,)):
         return None
+    params += (False,)
     graph = _EDGE_LISTS.get(anchors, versions, params)
     if graph is not None:
         if graph._cache_hits < CSR_AFTER_HITS:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Tuple, Union
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -10,6 +11,44 @@ from torch_geometric.typing import Adj, Size
 from ..dispatch import dense_root_pays, root_loops_pay
 from ..graph import CSRGraph, is_torch_sparse
 from .conv_base import Features, MaxKConv, PairFeatures
+
+#: Host copies of CUDA tensors' values (:func:`host_value`), by ``id``:
+#: ``[weak reference, (version, data pointer), value or pinned copy, event]``.
+_HOST_VALUES: Dict[int, List[Any]] = {}
+
+
+def host_value(t: Tensor) -> Optional[float]:
+    """The value of the one-element tensor ``t`` on the host without a host
+    sync: ``float(t)`` on the CPU; on a GPU, the value of an asynchronous
+    copy that the first call (and the first after each in-place edit, which
+    bumps the version counter) starts, None until that copy has landed or
+    while a CUDA graph is being captured. An edit through ``.data`` bumps no
+    version counter: callers that act on the value check it on the device
+    (``torch._assert_async``)."""
+    if t.device.type == "cpu":
+        return float(t)
+    key = (t._version, t.data_ptr())
+    entry = _HOST_VALUES.get(id(t))
+    if entry is None or entry[0]() is not t or entry[1] != key:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        copy = t.detach().to("cpu", non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(t.device))  # the copy's stream
+        ident = id(t)
+        _HOST_VALUES[ident] = [weakref.ref(t, lambda _: _HOST_VALUES.pop(ident, None)),
+                               key, copy, event]
+        return None
+    if entry[3] is not None:
+        if torch.cuda.is_current_stream_capturing() or not entry[3].query():
+            return None
+        entry[2], entry[3] = float(entry[2]), None
+    return entry[2]
+
+
+_EPS_EDITED = ("MaxKGINConv's eps changed through .data (which bumps no version counter) while "
+               "its root term ran as self-loops for eps = 0: edit eps in place under "
+               "torch.no_grad() instead")
 
 
 class MaxKGINConv(MaxKConv):
@@ -28,8 +67,11 @@ class MaxKGINConv(MaxKConv):
     elsewhere it is scattered from the CBSR values straight into the
     aggregate, never densified. Where
     :func:`~pyg_maxk.dispatch.root_loops_pay` and :math:`\epsilon = 0` is
-    fixed, it is one more edge :math:`i \to i` per node of the graph built
-    from an ``edge_index`` instead (one sum, no root term at all).
+    fixed, it is one more edge :math:`i \to i` per node of the CSR graph
+    built from an ``edge_index`` instead (one sum, no root term at all; on a
+    GPU, once the ``edge_index`` counts as a fixed graph: a new graph per
+    batch is aggregated as its edge list). A GPU's :math:`\epsilon` is read
+    without a host sync (:func:`host_value`) and checked on the device.
 
     Args:
         nn (torch.nn.Module): the network :math:`h_{\mathbf{\Theta}}`.
@@ -62,7 +104,8 @@ class MaxKGINConv(MaxKConv):
     def reset_parameters(self) -> None:
         super().reset_parameters()
         reset(self.nn)
-        self.eps.data.fill_(self.initial_eps)
+        with torch.no_grad():  # an edit that bumps eps's version (host_value)
+            self.eps.fill_(self.initial_eps)
 
     def graph_options(self) -> dict:
         return {"normalization": "sum", "use_sparse_tensor_values": False}
@@ -71,9 +114,9 @@ class MaxKGINConv(MaxKConv):
                           sizes: Tuple[int, int]) -> dict:
         """``root_loops`` where the root term can be one self-loop per node of
         the graph: ``x_src`` as ``x_dst`` on a square ``edge_index`` (or on
-        a graph built so), ``eps = 0`` and not trained, outside
-        autocast and compiled code, where
-        :func:`~pyg_maxk.dispatch.root_loops_pay`."""
+        a graph built so), ``eps = 0`` and not trained (as :func:`host_value`
+        reads it: a GPU's from its second call on), outside autocast and
+        compiled code, where :func:`~pyg_maxk.dispatch.root_loops_pay`."""
         if not (x_dst is x_src and isinstance(x_src, Tensor) and sizes[0] == sizes[1]):
             return {}
         if isinstance(adj, CSRGraph):
@@ -83,8 +126,12 @@ class MaxKGINConv(MaxKConv):
             return {}
         eps = self.eps
         if (torch.compiler.is_compiling() or eps.requires_grad
-                or torch.is_autocast_enabled(x_src.device.type) or not root_loops_pay(x_src)
-                or eps.device.type != "cpu" or float(eps) != 0.0):  # a CPU read: no sync
+                or torch.is_autocast_enabled(x_src.device.type) or not root_loops_pay(x_src)):
+            return {}
+        value = host_value(eps)
+        if value is None and isinstance(adj, CSRGraph):
+            value = 0.0  # a graph built with the loops: the forward checks eps on the device
+        if value != 0.0:
             return {}
         return {"root_loops": True}
 
@@ -93,6 +140,8 @@ class MaxKGINConv(MaxKConv):
         x_src, x_dst = self.split_features(x)
         graph = self.graph_for(edge_index, x_src, x_dst, size)
         if graph.root_loops:  # the root term is among the edges
+            if self.eps.is_cuda:  # host_value misses edits through .data
+                torch._assert_async(self.eps == 0, _EPS_EDITED)
             return self.nn(self.sparsify_and_aggregate(graph, x_src)[0])
         dense_root = x_dst is x_src and self.dense_root_pays(x_src)
         out, h_src, dense = self.sparsify_and_aggregate(graph, x_src, with_dense=dense_root)
