@@ -816,6 +816,48 @@ def test_edge_list_maxk_aggregate_matches_the_csr_graph(with_dense):
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("with_dense,dropout,bounded", [
+    pytest.param(True, True, False, marks=smoke), (False, False, False), (True, False, True),
+    (False, True, True)])
+def test_maxk_aggregate_select_launch_takes_dropout_dense_and_zero_fill(
+        monkeypatch, with_dense, dropout, bounded):
+    # One select launch scales the kept values (dropout), writes the dense
+    # form and zeroes the split rows' float32 sums: the results of the steps
+    # one at a time (select, the scale's product, densify, the aggregation
+    # with its own zero-fill), every output written (fresh tensors poisoned).
+    from pyg_maxk.graph import unpack
+    monkeypatch.setattr(pyg_maxk.graph.schedule, "PAIRS_PER_ITEM", 16 * 4)
+    src = torch.arange(120) % 25
+    dst = torch.cat([torch.zeros(90, dtype=torch.long), torch.arange(2, 32)])
+    graph = CSRGraph.from_adj(torch.stack([src, dst]).to(DEVICE), (25, 32), cache=False)
+    g = unpack(*(graph.operands_without_sync(4) if bounded else graph.operands(4)))
+    assert g.zeroed_rows.numel() > 0
+    x = torch.randn(25, 40).to(DEVICE)
+    scale = ((torch.rand(25, 4) < 0.7).float() / 0.7).to(DEVICE) if dropout else None
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan") if t.is_floating_point() else -1)
+
+    monkeypatch.setattr(numba_ops.torch, "empty", poisoned)
+    for _ in range(3):  # the first launches, then the prepared ones
+        agg, values, indices, dense = numba_ops.maxk_aggregate(g, x, 4, 32, with_dense, scale)
+        monkeypatch.setattr(numba_ops.torch, "empty", empty)
+        ref_values, ref_indices = numba_ops.maxk_select(x, 4)
+        if scale is not None:
+            ref_values = ref_values * scale
+        assert torch.equal(indices, ref_indices)
+        assert torch.equal(values, ref_values)
+        torch.testing.assert_close(agg, numba_ops.spgemm(g, ref_values, ref_indices, 32, 40),
+                                   rtol=1e-6, atol=1e-6)
+        if with_dense:
+            assert torch.equal(dense, numba_ops.cbsr_to_dense(ref_values, ref_indices, 40))
+        else:
+            assert dense is None
+        monkeypatch.setattr(numba_ops.torch, "empty", poisoned)
+
+
 @pytest.mark.parametrize("bad", ["source", "target_high", "target_low"])
 def test_edge_list_kernel_flags_indices_out_of_range(bad):
     from pyg_maxk.ops.numba_ops import edge_list_values

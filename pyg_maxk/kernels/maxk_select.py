@@ -83,12 +83,23 @@ def _order_key():
 
 @functools.lru_cache(maxsize=None)
 def select_kernel(dim: int, k: int, rows_per_block: int, redux: bool = False,
-                  half: str = ""):
+                  half: str = "", scaled: bool = False, densify: bool = False,
+                  zero_fill: bool = False):
     """The compiled selection kernel for one ``(dim, k)``; ``x_bits`` is ``x``
     viewed as int32. ``redux``: count with ``redux.sync`` (sm_80+; see
     :func:`~._warp.warp_sum`). ``half`` (``"bf16"``/``"fp16"``): ``x``,
     ``x_bits`` and ``values`` are that type's 16-bit patterns (``int16``),
-    ranked by their float32 value and copied bit for bit (:mod:`._half`)."""
+    ranked by their float32 value and copied bit for bit (:mod:`._half`).
+
+    The steps of :func:`~pyg_maxk.ops.numba_ops.maxk_aggregate` that it can
+    take on the way, each a launch or an op fewer (float32 only): ``scaled``
+    multiplies each kept value by ``scale[row, slot]`` (the dropout),
+    ``densify`` writes each row's dense form into ``dense`` as well (zeros
+    at the columns not kept), ``zero_fill`` zeroes ``partial`` (the
+    aggregation's float32 sums of its split rows, which its next launch adds
+    into). The arrays of the steps not taken are never touched."""
+    if half and (scaled or densify):
+        raise ValueError("the select kernel scales and densifies float32 rows only")
     is_half = bool(half)
     key_bits = float_bits(half) if is_half else None
     per_lane = math.ceil(dim / WARP)
@@ -103,7 +114,11 @@ def select_kernel(dim: int, k: int, rows_per_block: int, redux: bool = False,
     rpb = uint32(rows_per_block)
 
     @kernel_jit()
-    def maxk_select(x, x_bits, values, indices, num_rows):
+    def maxk_select(x, x_bits, values, indices, num_rows, scale, dense, partial):
+        if zero_fill:
+            cells = uint32(partial.shape[0]) * d32
+            for i in range(uint32(cuda.grid(1)), cells, uint32(cuda.gridsize(1))):
+                partial[i // d32, i % d32] = float32(0)
         lane = uint32(cuda.threadIdx.x) % w32
         warp = uint32(cuda.threadIdx.x) // w32
         scratch = cuda.shared.array((rows_per_block, WARP), uint32)  # simulator only
@@ -162,11 +177,18 @@ def select_kernel(dim: int, k: int, rows_per_block: int, redux: bool = False,
                 # entries by column.
                 slot = lanes_below(cuda.popc(kept), lane, mine)
                 for m in range(per_lane):
+                    c = lane + uint32(m * WARP)
                     if kept & (one << uint32(m)):
-                        c = lane + uint32(m * WARP)
-                        values[row, slot] = x[row, c]
+                        value = x[row, c]
+                        if scaled:
+                            value *= scale[row, slot]
+                        values[row, slot] = value
                         indices[row, slot] = c
                         slot += one
+                        if densify:
+                            dense[row, c] = value
+                    elif densify and c < d32:
+                        dense[row, c] = float32(0)
 
     return maxk_select
 

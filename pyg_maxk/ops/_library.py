@@ -379,12 +379,30 @@ def _maxk_aggregate(x: Tensor, k: int, index: Tensor, weight: Optional[Tensor],
                     with_dense: bool, scale: Optional[Tensor],
                     backend: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     dim = x.size(1)
+    if _fuses_select(x, k, with_dense, backend):
+        agg, values, indices, dense = _module("numba").maxk_aggregate(
+            unpack(index, weight, weight_t, layout), x, k, num_dst, with_dense, scale)
+        return agg, values, indices, dense if with_dense else x.new_empty(0)
     values, indices = _maxk_select(x, k, backend)
     if scale is not None:  # dropout on the kept values (values is fresh)
         values = values.mul_(scale)
     agg = _spgemm(index, weight, weight_t, layout, values, indices, num_dst, dim, backend)
     dense = _cbsr_to_dense(values, indices, dim, backend) if with_dense else x.new_empty(0)
     return agg, values, indices, dense
+
+
+def _fuses_select(x: Tensor, k: int, with_dense: bool, backend: str) -> bool:
+    """Whether the Numba kernels run every step of :data:`maxk_aggregate` on
+    float32 ``x``: then the select launch also takes the dropout, the dense
+    form and the aggregation's zero-fill
+    (:func:`~pyg_maxk.ops.numba_ops.maxk_aggregate`)."""
+    if x.dtype != torch.float32 or x.size(0) == 0:
+        return False
+    dim = x.size(1)
+    return (choose("select", x, requested=backend, dim=dim, k=k) == "numba"
+            and choose("aggregate", x, requested=backend, dim=dim, k=k) == "numba"
+            and (not with_dense
+                 or choose("densify", x, requested=backend, dim=dim, k=k) == "numba"))
 
 
 def _maxk_aggregate_fake(x, k, index, weight, weight_t, layout, num_dst, with_dense, scale,

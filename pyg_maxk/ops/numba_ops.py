@@ -186,11 +186,47 @@ def maxk_select(x: Tensor, k: int) -> Tuple[Tensor, Tensor]:
         else:
             run, rows_per_block, threads, blocks = _row_launch(n, x.device)
             kernel = select_kernel(dim, k, rows_per_block, _has_redux(x.device), half)
-            args = (xk, xk if half else xk.view(torch.int32), target, indices, n)
+            # The fused steps' arrays, never touched here: the input stands in
+            # (the simulator copies every array argument back after a launch,
+            # and a stand-in output would overwrite what the kernel wrote).
+            args = (xk, xk if half else xk.view(torch.int32), target, indices, n, xk, xk, xk)
             run(kernel, blocks, threads, x.device, *args)
             _remember(_PLANS, key, lambda: run.prepare(kernel, blocks, threads, x.device,
-                                                       args, (0, 1, 2, 3)))
+                                                       args, (0, 1, 2, 3, 5, 6, 7)))
     return as_dtype(values, x.dtype), indices
+
+
+def maxk_aggregate(g: GraphOperands, x: Tensor, k: int, num_dst: int, with_dense: bool,
+                   scale: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """``(A @ h, h's values, h's indices, h's dense form or None)`` for ``h``
+    the MaxK of float32 ``x [N, dim]`` (``N > 0``) with its kept values times
+    the dropout ``scale`` (``[N, k]`` float32; None: none): one select launch
+    that also scales, densifies (``with_dense``) and zeroes the aggregation's
+    float32 sums of its split rows, then :func:`spgemm`'s launches. Two ops
+    and a launch fewer than :func:`maxk_select`, ``values.mul_(scale)``,
+    :func:`spgemm` and :func:`cbsr_to_dense` in turn, with their results."""
+    n, dim = x.shape
+    x = x.contiguous()
+    values = torch.empty(n, k, dtype=KERNEL_DTYPE, device=x.device)
+    indices = torch.empty(n, k, dtype=index_dtype_for(dim), device=x.device)
+    dense = torch.empty(n, dim, dtype=KERNEL_DTYPE, device=x.device) if with_dense else None
+    num_zeroed = g.zeroed_rows.numel() if g.row is None and g.item_row.numel() > 0 else 0
+    partial = (torch.empty(num_zeroed, dim, dtype=KERNEL_DTYPE, device=x.device)
+               if num_zeroed > 0 else None)
+    arrays = [x if t is None else t for t in (scale, dense, partial)]  # x: a stand-in, read-only
+    key = ("select fused", n, dim, k, x.device, scale is not None, with_dense, num_zeroed)
+    launch = _prepared(_PLANS, key)
+    if launch is not None:
+        launch(x, x, values, indices, *arrays)
+    else:
+        run, rows_per_block, threads, blocks = _row_launch(n, x.device)
+        kernel = select_kernel(dim, k, rows_per_block, _has_redux(x.device), "",
+                               scale is not None, with_dense, partial is not None)
+        args = (x, x.view(torch.int32), values, indices, n, *arrays)
+        run(kernel, blocks, threads, x.device, *args)
+        _remember(_PLANS, key, lambda: run.prepare(kernel, blocks, threads, x.device, args,
+                                                   (0, 1, 2, 3, 5, 6, 7)))
+    return spgemm(g, values, indices, num_dst, dim, partial), values, indices, dense
 
 
 def cbsr_to_dense(values: Tensor, indices: Tensor, dim: int) -> Tensor:
@@ -547,13 +583,15 @@ def _spgemm_operands(values: Tensor, indices: Tensor, num_edges: int):
 
 
 def spgemm(g: GraphOperands, values: Tensor, indices: Tensor, num_dst: int,
-           dim: int) -> Tensor:
+           dim: int, partial: Optional[Tensor] = None) -> Tensor:
     """``A @ h`` as ``[num_dst, dim]`` (in :func:`~._common.aggregation_dtype`)
     for the CBSR ``h = (values, indices)`` of width ``dim`` (within
     :func:`supports`). A graph
     with a per-row scale (a mean without edge values) is aggregated
     unweighted and scaled once per output row. A half-precision result is
-    written as such, each float32 sum rounded once."""
+    written as such, each float32 sum rounded once. ``partial``: the split
+    rows' float32 sums ``[zeroed rows, dim]``, zeroed by an earlier launch
+    (:func:`maxk_aggregate`); None: zero-filled here."""
     if g.row is not None:
         return _edge_list_spgemm(g, values, indices, num_dst, dim)
     weight, row_scale = kernel_weights(g)
@@ -574,9 +612,10 @@ def spgemm(g: GraphOperands, values: Tensor, indices: Tensor, num_dst: int,
     plans = _graph_plans(g)
     # Without zeroed rows no item adds to `partial` (a bounded schedule's
     # padding items point at it, with no edges): no zero-fill.
-    partial = (torch.zeros(num_zeroed, dim, dtype=KERNEL_DTYPE, device=values.device)
-               if num_zeroed > 0 else torch.empty(1, dim, dtype=KERNEL_DTYPE,
-                                                  device=values.device))
+    if partial is None:
+        partial = (torch.zeros(num_zeroed, dim, dtype=KERNEL_DTYPE, device=values.device)
+                   if num_zeroed > 0 else torch.empty(1, dim, dtype=KERNEL_DTYPE,
+                                                      device=values.device))
     weight_arg, scale_arg = _or_unread(weight, g.item_start), _or_unread(row_scale, g.item_start)
     key = (("spgemm", values.shape, values.dtype, indices.dtype, dim, out_dtype,
             weight is None, row_scale is None) if _aligned(values, indices) else None)
