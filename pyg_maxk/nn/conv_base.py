@@ -54,15 +54,12 @@ def _outside_compiled_graph(reason: str) -> Callable:
     return torch.compiler.disable
 
 
-@_outside_compiled_graph(
-    "pyg_maxk resolves a raw adjacency (edge_index, SparseTensor, torch.sparse) in its graph "
-    "cache outside the compiled graph: for fullgraph=True pass a prepared graph instead, "
-    "pyg_maxk.ToCSRGraph(normalization, k) or CSRGraph.from_adj(...).prepare(k)")
 def _cached_graph(adj: Any, sizes: Tuple[int, int], k: Optional[int], **kwargs) -> Graph:
     # Cache lookups key on object identity and version counters, and a new
     # graph's build has data-dependent sizes: both run outside any compiled
-    # graph. The graph's tensors then enter the compiled code as inputs, so a
-    # new or edited adjacency is never replayed stale.
+    # graph (_cached_graph_outside_compile). The graph's tensors then enter
+    # the compiled code as inputs, so a new or edited adjacency is never
+    # replayed stale.
     if k is not None:
         edge_list = edge_list_graph(adj, sizes, **kwargs)
         if edge_list is not None:
@@ -71,6 +68,14 @@ def _cached_graph(adj: Any, sizes: Tuple[int, int], k: Optional[int], **kwargs) 
     if k is not None:
         graph.operands_without_sync(k)  # built here, not in the compiled graph
     return graph
+
+
+#: :func:`_cached_graph` as dynamo sees it; eager calls skip the wrapper's
+#: own host time.
+_cached_graph_outside_compile = _outside_compiled_graph(
+    "pyg_maxk resolves a raw adjacency (edge_index, SparseTensor, torch.sparse) in its graph "
+    "cache outside the compiled graph: for fullgraph=True pass a prepared graph instead, "
+    "pyg_maxk.ToCSRGraph(normalization, k) or CSRGraph.from_adj(...).prepare(k)")(_cached_graph)
 
 
 def _learnable(edge_weight: Optional[Tensor]) -> bool:
@@ -272,9 +277,9 @@ class MaxKConv(MessagePassing):
             self._check_prepared(adj, normalization, edge_weight, options)
             k = _kept(x_src, self.k)
             return adj if k is None or adj.has_operands(k) else _prepare(adj, k)
-        return _cached_graph(adj, sizes, _kept(x_src, self.k),
-                             edge_weight=edge_weight, normalization=normalization, dtype=dtype,
-                             **options)
+        lookup = _cached_graph_outside_compile if torch.compiler.is_compiling() else _cached_graph
+        return lookup(adj, sizes, _kept(x_src, self.k), edge_weight=edge_weight,
+                      normalization=normalization, dtype=dtype, **options)
 
     def explain_edge_mask(self) -> Optional[Tensor]:
         """The edge mask of PyG's explain module as ``propagate`` applies it
