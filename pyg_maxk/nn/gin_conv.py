@@ -46,9 +46,10 @@ def host_value(t: Tensor) -> Optional[float]:
     return entry[2]
 
 
-_EPS_EDITED = ("MaxKGINConv's eps changed through .data (which bumps no version counter) while "
-               "its root term ran as self-loops for eps = 0: edit eps in place under "
-               "torch.no_grad() instead")
+_EPS_EDITED = ("MaxKGINConv ran its root term as self-loops, which needs eps = 0, but eps is "
+               "not 0: eps changed through .data (which bumps no version counter; edit it in "
+               "place under torch.no_grad() instead), or the conv got a graph built with "
+               "root_loops")
 
 
 class MaxKGINConv(MaxKConv):
