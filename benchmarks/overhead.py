@@ -261,23 +261,30 @@ def _train_step(model, x, adj_of, y, without_message_passing=False):
 
     def step():
         opt.zero_grad(set_to_none=True)
-        with _identity_propagate() if without_message_passing else contextlib.nullcontext():
+        with (_identity_propagate(model) if without_message_passing
+              else contextlib.nullcontext()):
             F.cross_entropy(model(x, adj_of()), y).backward()
         opt.step()
     return step
 
 
 @contextlib.contextmanager
-def _identity_propagate():
-    def propagate(self, edge_index, size=None, **kwargs):
+def _identity_propagate(model: torch.nn.Module):
+    """Every conv of ``model`` with ``propagate`` as the identity on its
+    source features. Set on each conv itself: PyG gives every conv class a
+    generated ``propagate`` of its own, which a patch of
+    ``MessagePassing.propagate`` would not reach."""
+    def propagate(edge_index, size=None, **kwargs):
         x = kwargs["x"]
         return x[0] if isinstance(x, tuple) else x
-    original = MessagePassing.propagate
-    MessagePassing.propagate = propagate
+    convs = [m for m in model.modules() if isinstance(m, MessagePassing)]
+    for conv in convs:
+        conv.propagate = propagate
     try:
         yield
     finally:
-        MessagePassing.propagate = original
+        for conv in convs:
+            del conv.propagate
 
 
 def host_syncs(step) -> dict:
