@@ -61,6 +61,20 @@ def op_cases(backend, dtype=torch.float32):
         cases.append((lib.maxk_aggregate, (x, k, *ops, num_dst, True, scale, backend)))
         if graph.weight is not None:
             cases.append((lib.maxk_aggregate, (x, k, *learnable, num_dst, True, None, backend)))
+        # The maps in the aggregation's type (float32 for bf16 features on
+        # float32 edge values), the root term's only where that is dtype.
+        agg_dtype = lib.aggregation_dtype(dtype, lib.dtype_of(graph.weight),
+                                          lib.dtype_of(graph.row_scale))
+        lin = torch.randn(6, dim, device=DEVICE, dtype=agg_dtype, requires_grad=True)
+        bias = torch.randn(6, device=DEVICE, dtype=agg_dtype, requires_grad=True)
+        root = torch.randn(6, dim, device=DEVICE, dtype=dtype, requires_grad=True)
+        square = num_src == num_dst and agg_dtype == dtype
+        for b, r, s in ((bias, root if square else None, scale), (None, None, None)):
+            cases.append((lib.maxk_aggregate_linear, (x, k, *ops, num_dst, s, lin, b, r,
+                                                      backend)))
+        if graph.weight is not None:
+            cases.append((lib.maxk_aggregate_linear, (x, k, *learnable, num_dst, None, lin,
+                                                      bias, None, backend)))
         grad_values = torch.randn(num_src, k, device=DEVICE, dtype=dtype)
         grad_dense = torch.randn(num_src, dim, device=DEVICE, dtype=dtype)
         for given in ((grad_out, None, None, None), (grad_out, grad_values, grad_dense, None),
@@ -271,6 +285,60 @@ def test_maxk_aggregate_equals_its_steps(backend, with_dense, dropout):
         assert dropped.any() and not dropped.all()
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dense_root", [False, True])
+@pytest.mark.parametrize("dropout", [0.0, 0.5])
+def test_maxk_aggregate_linear_equals_its_steps(backend, dense_root, dropout):
+    # The one-node conv step against maxk_aggregate and F.linear: forward,
+    # and the gradients of x, the edge values, both weights and the bias;
+    # one seed giving both the same dropout draw.
+    base = _graph(12, 12, 40, "gcn_weighted")
+    edge_values = base.weight.detach().clone().requires_grad_()
+    x = torch.randn(12, 20, device=DEVICE, requires_grad=True)
+    lin = torch.randn(6, 20, device=DEVICE, requires_grad=True)
+    bias = torch.randn(6, device=DEVICE, requires_grad=True)
+    root = torch.randn(6, 20, device=DEVICE, requires_grad=True) if dense_root else None
+    params = [x, edge_values, lin, bias] + ([root] if dense_root else [])
+    results = []
+    with pyg_maxk.use_backend(backend):
+        for fused in (True, False):
+            graph = base.with_weight(edge_values, base.normalization)  # fresh edge-value views
+            torch.manual_seed(1)
+            if fused:
+                out = pyg_maxk.ops.maxk_aggregate_linear(x, 4, graph, lin, bias,
+                                                         dense_weight=root, dropout=dropout,
+                                                         training=True)
+                assert out.grad_fn.name() == "maxk_aggregate_linear_functionBackward"
+            else:
+                agg, _, dense = pyg_maxk.ops.maxk_aggregate(x, 4, graph, with_dense=dense_root,
+                                                            dropout=dropout, training=True)
+                out = torch.nn.functional.linear(agg, lin, bias)
+                if dense_root:
+                    out = out + torch.nn.functional.linear(dense, root)
+            loss = (out * out).sum()
+            results.append((out, *torch.autograd.grad(loss, params)))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_maxk_aggregate_linear_takes_separate_steps_for_other_types():
+    # Operands of another dtype than the features' (here a float64 map of
+    # float32 features) get torch's own type rules, as F.linear gives them.
+    graph = _graph(12, 12, 40, "mean")
+    x = torch.randn(12, 20, device=DEVICE)
+    lin = torch.randn(6, 20, device=DEVICE, dtype=torch.float64)
+    with pytest.raises(RuntimeError):
+        torch.nn.functional.linear(x, lin)
+    with pytest.raises(RuntimeError):
+        pyg_maxk.ops.maxk_aggregate_linear(x, 4, graph, lin)
+    out = pyg_maxk.ops.maxk_aggregate_linear(x, 4, graph, lin.float())
+    expected = torch.nn.functional.linear(pyg_maxk.ops.maxk_aggregate(x, 4, graph)[0], lin.float())
+    torch.testing.assert_close(out, expected)
+    with pytest.raises(ValueError, match="square"):
+        pyg_maxk.ops.maxk_aggregate_linear(x[:9], 4, _graph(9, 7, 25, "sum"), lin.float(),
+                                           dense_weight=lin.float())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
