@@ -252,13 +252,10 @@ def test_edge_value_gradient_against_float64(backend, dim, k, monkeypatch):
         torch.testing.assert_close(grad_weight.double(), expected, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("with_dense", [False, True])
-@pytest.mark.parametrize("dropout", [0.0, 0.5])
-def test_maxk_aggregate_equals_its_steps(backend, with_dense, dropout):
-    # The fused op against maxk, aggregate and to_dense, forward and the
-    # gradients of x (through all three outputs) and of the edge values;
-    # with dropout on the kept values, one seed giving both the same draw.
+def _fused_and_in_steps(backend, run):
+    """``[run(True, graph, x, edge_values), run(False, ...)]``: a fused op
+    and its steps on one 12-node GCN graph with learnable edge values, each
+    call after one seed (the same dropout draw)."""
     base = _graph(12, 12, 40, "gcn_weighted")
     edge_values = base.weight.detach().clone().requires_grad_()
     x = torch.randn(12, 20, device=DEVICE, requires_grad=True)
@@ -267,20 +264,35 @@ def test_maxk_aggregate_equals_its_steps(backend, with_dense, dropout):
         for fused in (True, False):
             graph = base.with_weight(edge_values, base.normalization)  # fresh edge-value views
             torch.manual_seed(1)
-            if fused:
-                agg, h, dense = pyg_maxk.ops.maxk_aggregate(x, 4, graph, with_dense=with_dense,
-                                                            dropout=dropout, training=True)
-            else:
-                h = pyg_maxk.maxk(x, 4, dropout=dropout, training=True)
-                agg = pyg_maxk.aggregate(graph, h)
-                dense = pyg_maxk.ops.to_dense(h) if with_dense else None
-            loss = (agg * agg).sum() + (h.values ** 3).sum()
-            if with_dense:
-                loss = loss + (dense * torch.arange(20.0, device=DEVICE)).sum()
-            else:
-                assert dense is None
-            results.append((agg, h.to_dense(), *torch.autograd.grad(loss, [x, edge_values])))
+            results.append(run(fused, graph, x, edge_values))
+    return results
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("with_dense", [False, True])
+@pytest.mark.parametrize("dropout", [0.0, 0.5])
+def test_maxk_aggregate_equals_its_steps(backend, with_dense, dropout):
+    # The fused op against maxk, aggregate and to_dense, forward and the
+    # gradients of x (through all three outputs) and of the edge values;
+    # with dropout on the kept values, one seed giving both the same draw.
+    def run(fused, graph, x, edge_values):
+        if fused:
+            agg, h, dense = pyg_maxk.ops.maxk_aggregate(x, 4, graph, with_dense=with_dense,
+                                                        dropout=dropout, training=True)
+        else:
+            h = pyg_maxk.maxk(x, 4, dropout=dropout, training=True)
+            agg = pyg_maxk.aggregate(graph, h)
+            dense = pyg_maxk.ops.to_dense(h) if with_dense else None
+        loss = (agg * agg).sum() + (h.values ** 3).sum()
+        if with_dense:
+            loss = loss + (dense * torch.arange(20.0, device=DEVICE)).sum()
+        else:
+            assert dense is None
+        return (agg, h.to_dense(), *torch.autograd.grad(loss, [x, edge_values]), x)
+
+    results = _fused_and_in_steps(backend, run)
     if dropout:
+        x = results[0][-1]
         dropped = (results[0][1] == 0) & (pyg_maxk.maxk(x, 4).to_dense() != 0)
         assert dropped.any() and not dropped.all()
     for a, b in zip(*results):
@@ -294,32 +306,25 @@ def test_maxk_aggregate_linear_equals_its_steps(backend, dense_root, dropout):
     # The one-node conv step against maxk_aggregate and F.linear: forward,
     # and the gradients of x, the edge values, both weights and the bias;
     # one seed giving both the same dropout draw.
-    base = _graph(12, 12, 40, "gcn_weighted")
-    edge_values = base.weight.detach().clone().requires_grad_()
-    x = torch.randn(12, 20, device=DEVICE, requires_grad=True)
     lin = torch.randn(6, 20, device=DEVICE, requires_grad=True)
     bias = torch.randn(6, device=DEVICE, requires_grad=True)
     root = torch.randn(6, 20, device=DEVICE, requires_grad=True) if dense_root else None
-    params = [x, edge_values, lin, bias] + ([root] if dense_root else [])
-    results = []
-    with pyg_maxk.use_backend(backend):
-        for fused in (True, False):
-            graph = base.with_weight(edge_values, base.normalization)  # fresh edge-value views
-            torch.manual_seed(1)
-            if fused:
-                out = pyg_maxk.ops.maxk_aggregate_linear(x, 4, graph, lin, bias,
-                                                         dense_weight=root, dropout=dropout,
-                                                         training=True)
-                assert out.grad_fn.name() == "maxk_aggregate_linear_functionBackward"
-            else:
-                agg, _, dense = pyg_maxk.ops.maxk_aggregate(x, 4, graph, with_dense=dense_root,
-                                                            dropout=dropout, training=True)
-                out = torch.nn.functional.linear(agg, lin, bias)
-                if dense_root:
-                    out = out + torch.nn.functional.linear(dense, root)
-            loss = (out * out).sum()
-            results.append((out, *torch.autograd.grad(loss, params)))
-    for a, b in zip(*results):
+
+    def run(fused, graph, x, edge_values):
+        if fused:
+            out = pyg_maxk.ops.maxk_aggregate_linear(x, 4, graph, lin, bias, dense_weight=root,
+                                                     dropout=dropout, training=True)
+            assert out.grad_fn.name() == "maxk_aggregate_linear_functionBackward"
+        else:
+            agg, _, dense = pyg_maxk.ops.maxk_aggregate(x, 4, graph, with_dense=dense_root,
+                                                        dropout=dropout, training=True)
+            out = torch.nn.functional.linear(agg, lin, bias)
+            if dense_root:
+                out = out + torch.nn.functional.linear(dense, root)
+        params = [x, edge_values, lin, bias] + ([root] if dense_root else [])
+        return (out, *torch.autograd.grad((out * out).sum(), params))
+
+    for a, b in zip(*_fused_and_in_steps(backend, run)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 

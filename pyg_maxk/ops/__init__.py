@@ -165,12 +165,7 @@ def maxk_aggregate(x: Tensor, k: int, graph: Union[CSRGraph, EdgeListGraph], *,
     if k >= x.size(1):  # every entry kept: the dense aggregation
         h = maxk(x, k, dropout=dropout, training=training)
         return aggregate(graph, h), h, (h.values if with_dense else None)
-    if x.size(0) != graph.num_src:
-        raise ValueError(f"The features have {x.size(0)} rows but the graph has "
-                         f"{graph.num_src} source nodes")
-    if x.device != graph.device:
-        raise ValueError(f"The features are on {x.device} but the graph is on "
-                         f"{graph.device}; move both to the same device")
+    _check_on_graph(x, graph)
     # The draw before the op: a custom op's random draws would be opaque to
     # torch.compile (and to CUDA-graph capture of the generator's state).
     scale = dropout_scale(x, k, dropout, training)
@@ -221,15 +216,20 @@ def maxk_aggregate_linear(x: Tensor, k: int, graph: Union[CSRGraph, EdgeListGrap
                                        dropout=dropout, training=training)
         out = F.linear(agg, weight, bias)
         return out if dense_weight is None else out + F.linear(dense, dense_weight)
+    _check_on_graph(x, graph)
+    scale = dropout_scale(x, k, dropout, training)
+    return lib.maxk_aggregate_linear(x, k, *graph.operands(k), graph.num_dst, scale, weight,
+                                     bias, dense_weight, get_backend())[0]
+
+
+def _check_on_graph(x: Tensor, graph: Union[CSRGraph, EdgeListGraph]) -> None:
+    """Clear errors for features that are not the graph's sources."""
     if x.size(0) != graph.num_src:
         raise ValueError(f"The features have {x.size(0)} rows but the graph has "
                          f"{graph.num_src} source nodes")
     if x.device != graph.device:
         raise ValueError(f"The features are on {x.device} but the graph is on "
                          f"{graph.device}; move both to the same device")
-    scale = dropout_scale(x, k, dropout, training)
-    return lib.maxk_aggregate_linear(x, k, *graph.operands(k), graph.num_dst, scale, weight,
-                                     bias, dense_weight, get_backend())[0]
 
 
 def _aggregation_dtype_of(graph: Union[CSRGraph, EdgeListGraph], x: Tensor) -> torch.dtype:

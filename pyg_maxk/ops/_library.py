@@ -432,6 +432,15 @@ def _maxk_aggregate_setup(ctx, inputs, output) -> None:
 
 def _maxk_aggregate_backward(ctx, grad_agg, grad_values, grad_indices, grad_dense):
     indices, values, scale, graph = _saved_with_graph(ctx)
+    grad_x, grads = _features_and_graph_grads(ctx, graph, indices, values, scale, grad_agg,
+                                              grad_values, grad_dense)
+    return (grad_x, None, *grads, None, None, None, None)
+
+
+def _features_and_graph_grads(ctx, graph, indices, values, scale, grad_agg, grad_values,
+                              grad_dense):
+    """The gradients of :data:`maxk_aggregate`'s features (or None) and of
+    its graph arguments, from those of its outputs (each None when absent)."""
     grads = [None] * NUM_GRAPH_ARGS
     if grad_agg is not None:
         grad_agg = grad_agg.contiguous()
@@ -441,7 +450,7 @@ def _maxk_aggregate_backward(ctx, grad_agg, grad_values, grad_indices, grad_dens
     if ctx.needs_input_grad[0] and any(t is not None for t in (grad_agg, grad_values, grad_dense)):
         grad_x = maxk_input_grad(*graph, indices, grad_agg, grad_values, grad_dense, scale,
                                  ctx.dim, ctx.values_dtype, ctx.backend)
-    return (grad_x, None, *grads, None, None, None, None)
+    return grad_x, grads
 
 
 # ------------------------------ the features' gradient of maxk_aggregate
@@ -562,15 +571,8 @@ def _maxk_aggregate_linear_backward(ctx, grad_out, grad_agg, grad_values, grad_i
             grad_bias = grad_out.sum(0)
         if ctx.with_dense and need[at + 2]:
             grad_dense_weight = grad_out.t() @ dense
-    grads = [None] * NUM_GRAPH_ARGS
-    if grad_agg is not None:
-        grad_agg = grad_agg.contiguous()
-        grads = _graph_grads(ctx, graph, values, indices, grad_agg)
-    grad_dense = grad_dense if ctx.with_dense else None
-    grad_x = None
-    if need[0] and any(t is not None for t in (grad_agg, grad_values, grad_dense)):
-        grad_x = maxk_input_grad(*graph, indices, grad_agg, grad_values, grad_dense, scale,
-                                 ctx.dim, ctx.values_dtype, ctx.backend)
+    grad_x, grads = _features_and_graph_grads(ctx, graph, indices, values, scale, grad_agg,
+                                              grad_values, grad_dense)
     return (grad_x, None, *grads, None, None, grad_lin_weight, grad_bias, grad_dense_weight,
             None)
 
