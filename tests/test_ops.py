@@ -61,20 +61,6 @@ def op_cases(backend, dtype=torch.float32):
         cases.append((lib.maxk_aggregate, (x, k, *ops, num_dst, True, scale, backend)))
         if graph.weight is not None:
             cases.append((lib.maxk_aggregate, (x, k, *learnable, num_dst, True, None, backend)))
-        # The maps in the aggregation's type (float32 for bf16 features on
-        # float32 edge values), the root term's only where that is dtype.
-        agg_dtype = lib.aggregation_dtype(dtype, lib.dtype_of(graph.weight),
-                                          lib.dtype_of(graph.row_scale))
-        lin = torch.randn(6, dim, device=DEVICE, dtype=agg_dtype, requires_grad=True)
-        bias = torch.randn(6, device=DEVICE, dtype=agg_dtype, requires_grad=True)
-        root = torch.randn(6, dim, device=DEVICE, dtype=dtype, requires_grad=True)
-        square = num_src == num_dst and agg_dtype == dtype
-        for b, r, s in ((bias, root if square else None, scale), (None, None, None)):
-            cases.append((lib.maxk_aggregate_linear, (x, k, *ops, num_dst, s, lin, b, r,
-                                                      backend)))
-        if graph.weight is not None:
-            cases.append((lib.maxk_aggregate_linear, (x, k, *learnable, num_dst, None, lin,
-                                                      bias, None, backend)))
         grad_values = torch.randn(num_src, k, device=DEVICE, dtype=dtype)
         grad_dense = torch.randn(num_src, dim, device=DEVICE, dtype=dtype)
         for given in ((grad_out, None, None, None), (grad_out, grad_values, grad_dense, None),
@@ -252,10 +238,13 @@ def test_edge_value_gradient_against_float64(backend, dim, k, monkeypatch):
         torch.testing.assert_close(grad_weight.double(), expected, rtol=tol, atol=tol)
 
 
-def _fused_and_in_steps(backend, run):
-    """``[run(True, graph, x, edge_values), run(False, ...)]``: a fused op
-    and its steps on one 12-node GCN graph with learnable edge values, each
-    call after one seed (the same dropout draw)."""
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("with_dense", [False, True])
+@pytest.mark.parametrize("dropout", [0.0, 0.5])
+def test_maxk_aggregate_equals_its_steps(backend, with_dense, dropout):
+    # The fused op against maxk, aggregate and to_dense, forward and the
+    # gradients of x (through all three outputs) and of the edge values;
+    # with dropout on the kept values, one seed giving both the same draw.
     base = _graph(12, 12, 40, "gcn_weighted")
     edge_values = base.weight.detach().clone().requires_grad_()
     x = torch.randn(12, 20, device=DEVICE, requires_grad=True)
@@ -264,86 +253,24 @@ def _fused_and_in_steps(backend, run):
         for fused in (True, False):
             graph = base.with_weight(edge_values, base.normalization)  # fresh edge-value views
             torch.manual_seed(1)
-            results.append(run(fused, graph, x, edge_values))
-    return results
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("with_dense", [False, True])
-@pytest.mark.parametrize("dropout", [0.0, 0.5])
-def test_maxk_aggregate_equals_its_steps(backend, with_dense, dropout):
-    # The fused op against maxk, aggregate and to_dense, forward and the
-    # gradients of x (through all three outputs) and of the edge values;
-    # with dropout on the kept values, one seed giving both the same draw.
-    def run(fused, graph, x, edge_values):
-        if fused:
-            agg, h, dense = pyg_maxk.ops.maxk_aggregate(x, 4, graph, with_dense=with_dense,
-                                                        dropout=dropout, training=True)
-        else:
-            h = pyg_maxk.maxk(x, 4, dropout=dropout, training=True)
-            agg = pyg_maxk.aggregate(graph, h)
-            dense = pyg_maxk.ops.to_dense(h) if with_dense else None
-        loss = (agg * agg).sum() + (h.values ** 3).sum()
-        if with_dense:
-            loss = loss + (dense * torch.arange(20.0, device=DEVICE)).sum()
-        else:
-            assert dense is None
-        return (agg, h.to_dense(), *torch.autograd.grad(loss, [x, edge_values]), x)
-
-    results = _fused_and_in_steps(backend, run)
+            if fused:
+                agg, h, dense = pyg_maxk.ops.maxk_aggregate(x, 4, graph, with_dense=with_dense,
+                                                            dropout=dropout, training=True)
+            else:
+                h = pyg_maxk.maxk(x, 4, dropout=dropout, training=True)
+                agg = pyg_maxk.aggregate(graph, h)
+                dense = pyg_maxk.ops.to_dense(h) if with_dense else None
+            loss = (agg * agg).sum() + (h.values ** 3).sum()
+            if with_dense:
+                loss = loss + (dense * torch.arange(20.0, device=DEVICE)).sum()
+            else:
+                assert dense is None
+            results.append((agg, h.to_dense(), *torch.autograd.grad(loss, [x, edge_values])))
     if dropout:
-        x = results[0][-1]
         dropped = (results[0][1] == 0) & (pyg_maxk.maxk(x, 4).to_dense() != 0)
         assert dropped.any() and not dropped.all()
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dense_root", [False, True])
-@pytest.mark.parametrize("dropout", [0.0, 0.5])
-def test_maxk_aggregate_linear_equals_its_steps(backend, dense_root, dropout):
-    # The one-node conv step against maxk_aggregate and F.linear: forward,
-    # and the gradients of x, the edge values, both weights and the bias;
-    # one seed giving both the same dropout draw.
-    lin = torch.randn(6, 20, device=DEVICE, requires_grad=True)
-    bias = torch.randn(6, device=DEVICE, requires_grad=True)
-    root = torch.randn(6, 20, device=DEVICE, requires_grad=True) if dense_root else None
-
-    def run(fused, graph, x, edge_values):
-        if fused:
-            out = pyg_maxk.ops.maxk_aggregate_linear(x, 4, graph, lin, bias, dense_weight=root,
-                                                     dropout=dropout, training=True)
-            assert out.grad_fn.name() == "maxk_aggregate_linear_functionBackward"
-        else:
-            agg, _, dense = pyg_maxk.ops.maxk_aggregate(x, 4, graph, with_dense=dense_root,
-                                                        dropout=dropout, training=True)
-            out = torch.nn.functional.linear(agg, lin, bias)
-            if dense_root:
-                out = out + torch.nn.functional.linear(dense, root)
-        params = [x, edge_values, lin, bias] + ([root] if dense_root else [])
-        return (out, *torch.autograd.grad((out * out).sum(), params))
-
-    for a, b in zip(*_fused_and_in_steps(backend, run)):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-
-
-def test_maxk_aggregate_linear_takes_separate_steps_for_other_types():
-    # Operands of another dtype than the features' (here a float64 map of
-    # float32 features) get torch's own type rules, as F.linear gives them.
-    graph = _graph(12, 12, 40, "mean")
-    x = torch.randn(12, 20, device=DEVICE)
-    lin = torch.randn(6, 20, device=DEVICE, dtype=torch.float64)
-    with pytest.raises(RuntimeError):
-        torch.nn.functional.linear(x, lin)
-    with pytest.raises(RuntimeError):
-        pyg_maxk.ops.maxk_aggregate_linear(x, 4, graph, lin)
-    out = pyg_maxk.ops.maxk_aggregate_linear(x, 4, graph, lin.float())
-    expected = torch.nn.functional.linear(pyg_maxk.ops.maxk_aggregate(x, 4, graph)[0], lin.float())
-    torch.testing.assert_close(out, expected)
-    with pytest.raises(ValueError, match="square"):
-        pyg_maxk.ops.maxk_aggregate_linear(x[:9], 4, _graph(9, 7, 25, "sum"), lin.float(),
-                                           dense_weight=lin.float())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -8,9 +8,7 @@ from typing import Any, Callable, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
-from torch.nn.modules import module as _module_hooks
 from torch_geometric.nn import MessagePassing
-from torch_geometric.nn.dense.linear import Linear, is_uninitialized_parameter
 from torch_geometric.typing import Size
 
 from ..cbsr import CBSR
@@ -30,25 +28,6 @@ Graph = Union[CSRGraph, EdgeListGraph]
 
 Features = Union[Tensor, CBSR]
 PairFeatures = Tuple[Features, Optional[Features]]
-
-
-def plain_linear(*modules: torch.nn.Module) -> bool:
-    """Whether each module is a linear map (``torch.nn.Linear`` or PyG's
-    ``Linear``) with its weight initialised and no hooks: then a conv may
-    apply it through its weight and bias inside one op (a module call with
-    hooks, or PyG's lazy initialisation, needs the module itself)."""
-    for m in modules:
-        if type(m) not in _PLAIN_LINEARS or is_uninitialized_parameter(m.weight):
-            return False
-        if (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
-                or m._backward_pre_hooks):
-            return False
-    return not (_module_hooks._global_forward_hooks or _module_hooks._global_forward_pre_hooks
-                or _module_hooks._global_backward_hooks
-                or _module_hooks._global_backward_pre_hooks)
-
-
-_PLAIN_LINEARS = (torch.nn.Linear, Linear)
 
 
 def _rows(x: Features) -> int:

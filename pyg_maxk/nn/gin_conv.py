@@ -10,8 +10,7 @@ from torch_geometric.typing import Adj, Size
 
 from ..dispatch import dense_root_pays, root_loops_pay
 from ..graph import CSRGraph, is_torch_sparse
-from ..ops import maxk_aggregate_linear
-from .conv_base import Features, MaxKConv, PairFeatures, plain_linear
+from .conv_base import Features, MaxKConv, PairFeatures
 
 #: Host copies of CUDA tensors' values (:func:`host_value`), by ``id``:
 #: ``[weak reference, (version, data pointer), value or pinned copy, event]``.
@@ -144,10 +143,6 @@ class MaxKGINConv(MaxKConv):
         if graph.root_loops:  # the root term is among the edges
             if self.eps.is_cuda:  # host_value misses edits through .data
                 torch._assert_async(self.eps == 0, _EPS_EDITED)
-            if isinstance(x_src, Tensor) and plain_linear(self.nn):
-                # The conv's whole step as one op and one autograd node.
-                return maxk_aggregate_linear(x_src, self.k, graph, self.nn.weight, self.nn.bias,
-                                             dropout=self.dropout, training=self.training)
             return self.nn(self.sparsify_and_aggregate(graph, x_src)[0])
         dense_root = x_dst is x_src and self.dense_root_pays(x_src)
         out, h_src, dense = self.sparsify_and_aggregate(graph, x_src, with_dense=dense_root)

@@ -10,8 +10,8 @@ from torch_geometric.typing import Adj, Size
 
 from ..cbsr import CBSR
 from ..dispatch import cbsr_linear_pays
-from ..ops import cbsr_linear, maxk_aggregate_linear, to_dense
-from .conv_base import Features, MaxKConv, PairFeatures, plain_linear
+from ..ops import cbsr_linear, to_dense
+from .conv_base import Features, MaxKConv, PairFeatures
 
 
 class MaxKSAGEConv(MaxKConv):
@@ -93,12 +93,6 @@ class MaxKSAGEConv(MaxKConv):
         # its [N, F_in] input is small, and a step there is bound by host time,
         # which torch's own autograd nodes spend less of than a CBSR linear op.
         dense_root = root and x_dst is x_src and not self.cbsr_root_pays(x_src)
-        if dense_root and isinstance(x_src, Tensor) and plain_linear(self.lin_l, self.lin_r):
-            # The conv's whole step as one op and one autograd node.
-            out = maxk_aggregate_linear(x_src, self.k, graph, self.lin_l.weight, self.lin_l.bias,
-                                        dense_weight=self.lin_r.weight, dropout=self.dropout,
-                                        training=self.training)
-            return F.normalize(out, p=2., dim=-1) if self.normalize else out
         agg, h_src, dense = self.sparsify_and_aggregate(graph, x_src, with_dense=dense_root)
 
         if dense_root:

@@ -165,76 +165,18 @@ def maxk_aggregate(x: Tensor, k: int, graph: Union[CSRGraph, EdgeListGraph], *,
     if k >= x.size(1):  # every entry kept: the dense aggregation
         h = maxk(x, k, dropout=dropout, training=training)
         return aggregate(graph, h), h, (h.values if with_dense else None)
-    _check_on_graph(x, graph)
-    # The draw before the op: a custom op's random draws would be opaque to
-    # torch.compile (and to CUDA-graph capture of the generator's state).
-    scale = dropout_scale(x, k, dropout, training)
-    agg, values, indices, dense = lib.maxk_aggregate(
-        x, k, *graph.operands(k), graph.num_dst, with_dense, scale, get_backend())
-    return agg, CBSR(values, indices, x.size(1)), (dense if with_dense else None)
-
-
-def maxk_aggregate_linear(x: Tensor, k: int, graph: Union[CSRGraph, EdgeListGraph],
-                          weight: Tensor, bias: Optional[Tensor] = None, *,
-                          dense_weight: Optional[Tensor] = None, dropout: float = 0.0,
-                          training: bool = False) -> Tensor:
-    r"""``F.linear(agg, weight, bias)``, plus ``F.linear(h.to_dense(),
-    dense_weight)`` where ``dense_weight`` is given, for ``(agg, h, _) =
-    maxk_aggregate(x, k, graph, dropout=dropout, training=training)``: a MaxK
-    conv's whole step (SAGE's two linear maps, GIN's linear network) as one
-    op with one autograd node, where the maps as separate ops add four more
-    on a host-bound small graph. The dropout draws as :func:`maxk`'s does.
-
-    Where the operands' dtypes differ, under autocast, or with ``k`` at
-    least ``x``'s width, it is that composition of separate ops (autocast's
-    casts, torch's type promotion), with the same result.
-
-    Args:
-        x (torch.Tensor): ``[num_src, dim]`` features.
-        k (int): entries kept per row.
-        graph (CSRGraph or EdgeListGraph): ``[num_dst, num_src]`` adjacency.
-        weight (torch.Tensor): ``[out, dim]``, applied to the aggregation.
-        bias (torch.Tensor, optional): ``[out]``.
-        dense_weight (torch.Tensor, optional): ``[out, dim]``, applied to
-            ``h``'s dense form (``num_src`` must equal ``num_dst``).
-        dropout (float): dropout probability on the kept values.
-        training (bool): whether dropout is active.
-
-    Returns:
-        ``[num_dst, out]`` dense tensor.
-    """
-    k = check_k(k)
-    _check_features(x)
-    if dense_weight is not None and graph.num_src != graph.num_dst:
-        raise ValueError(f"dense_weight maps the dense form of the {graph.num_src} source "
-                         f"rows onto the {graph.num_dst} targets: the graph must be square")
-    params = [t for t in (weight, bias, dense_weight) if t is not None]
-    if (k >= x.size(1) or torch.is_autocast_enabled(x.device.type)
-            or any(t.dtype != x.dtype for t in params)
-            or _aggregation_dtype_of(graph, x) != x.dtype):
-        agg, _, dense = maxk_aggregate(x, k, graph, with_dense=dense_weight is not None,
-                                       dropout=dropout, training=training)
-        out = F.linear(agg, weight, bias)
-        return out if dense_weight is None else out + F.linear(dense, dense_weight)
-    _check_on_graph(x, graph)
-    scale = dropout_scale(x, k, dropout, training)
-    return lib.maxk_aggregate_linear(x, k, *graph.operands(k), graph.num_dst, scale, weight,
-                                     bias, dense_weight, get_backend())[0]
-
-
-def _check_on_graph(x: Tensor, graph: Union[CSRGraph, EdgeListGraph]) -> None:
-    """Clear errors for features that are not the graph's sources."""
     if x.size(0) != graph.num_src:
         raise ValueError(f"The features have {x.size(0)} rows but the graph has "
                          f"{graph.num_src} source nodes")
     if x.device != graph.device:
         raise ValueError(f"The features are on {x.device} but the graph is on "
                          f"{graph.device}; move both to the same device")
-
-
-def _aggregation_dtype_of(graph: Union[CSRGraph, EdgeListGraph], x: Tensor) -> torch.dtype:
-    """The dtype of :func:`aggregate`'s result for features like ``x``."""
-    return aggregation_dtype(x.dtype, dtype_of(graph.weight), dtype_of(graph.row_scale))
+    # The draw before the op: a custom op's random draws would be opaque to
+    # torch.compile (and to CUDA-graph capture of the generator's state).
+    scale = dropout_scale(x, k, dropout, training)
+    agg, values, indices, dense = lib.maxk_aggregate(
+        x, k, *graph.operands(k), graph.num_dst, with_dense, scale, get_backend())
+    return agg, CBSR(values, indices, x.size(1)), (dense if with_dense else None)
 
 
 def cbsr_linear(h: CBSR, weight: Tensor, bias: Tensor | None = None, *,
@@ -309,5 +251,5 @@ def _linear_is_dense(h: CBSR, weight: Tensor, bias: Tensor | None) -> bool:
             or torch.is_autocast_enabled(h.device.type))
 
 
-__all__ = ["maxk", "aggregate", "maxk_aggregate", "maxk_aggregate_linear", "aggregation_dtype",
-           "cbsr_linear", "check_k", "dropout_scale", "dtype_of", "linear_backend", "to_dense"]
+__all__ = ["maxk", "aggregate", "maxk_aggregate", "aggregation_dtype", "cbsr_linear", "check_k",
+           "dropout_scale", "dtype_of", "linear_backend", "to_dense"]

@@ -286,33 +286,26 @@ def _spgemm_fake(index, weight, weight_t, layout, values, indices, num_dst, dim,
 
 
 def _save_with_graph(ctx, graph, values: Tensor, indices: Tensor,
-                     scale: Optional[Tensor] = None, extra: Tuple = ()) -> None:
+                     scale: Optional[Tensor] = None) -> None:
     """Save the CBSR ``indices``, its ``values`` where the edge values need a
     gradient (their SDDMM reads them), the dropout ``scale`` of its values
-    (None: no dropout), the op's ``extra`` tensors (None allowed) and the
-    graph arguments present."""
+    (None: no dropout), and the graph arguments present."""
     ctx.layout = graph[-1]
     tensors = graph[:-1]
     ctx.present = [t is not None for t in tensors]
-    ctx.num_extra = len(extra)
     weight = graph[_WEIGHT_ARG]
     ctx.weight_grad = weight is not None and weight.requires_grad
-    ctx.save_for_backward(indices, values if ctx.weight_grad else None, scale, *extra,
+    ctx.save_for_backward(indices, values if ctx.weight_grad else None, scale,
                           *[t for t in tensors if t is not None])
 
 
 def _saved_with_graph(ctx):
     """``(indices, values or None, scale or None, graph arguments)`` of
-    :func:`_save_with_graph` (its ``extra`` tensors: :func:`_saved_extra`)."""
-    indices, values, scale, *rest = ctx.saved_tensors
-    present = iter(rest[getattr(ctx, "num_extra", 0):])
+    :func:`_save_with_graph`."""
+    indices, values, scale, *present = ctx.saved_tensors
+    present = iter(present)
     return (indices, values, scale,
             [next(present) if p else None for p in ctx.present] + [ctx.layout])
-
-
-def _saved_extra(ctx) -> list:
-    """The ``extra`` tensors of :func:`_save_with_graph`, in order."""
-    return list(ctx.saved_tensors[3:3 + ctx.num_extra])
 
 
 def _graph_grads(ctx, graph, values: Tensor, indices: Tensor, grad_out: Tensor) -> list:
@@ -432,15 +425,6 @@ def _maxk_aggregate_setup(ctx, inputs, output) -> None:
 
 def _maxk_aggregate_backward(ctx, grad_agg, grad_values, grad_indices, grad_dense):
     indices, values, scale, graph = _saved_with_graph(ctx)
-    grad_x, grads = _features_and_graph_grads(ctx, graph, indices, values, scale, grad_agg,
-                                              grad_values, grad_dense)
-    return (grad_x, None, *grads, None, None, None, None)
-
-
-def _features_and_graph_grads(ctx, graph, indices, values, scale, grad_agg, grad_values,
-                              grad_dense):
-    """The gradients of :data:`maxk_aggregate`'s features (or None) and of
-    its graph arguments, from those of its outputs (each None when absent)."""
     grads = [None] * NUM_GRAPH_ARGS
     if grad_agg is not None:
         grad_agg = grad_agg.contiguous()
@@ -450,7 +434,7 @@ def _features_and_graph_grads(ctx, graph, indices, values, scale, grad_agg, grad
     if ctx.needs_input_grad[0] and any(t is not None for t in (grad_agg, grad_values, grad_dense)):
         grad_x = maxk_input_grad(*graph, indices, grad_agg, grad_values, grad_dense, scale,
                                  ctx.dim, ctx.values_dtype, ctx.backend)
-    return grad_x, grads
+    return (grad_x, None, *grads, None, None, None, None)
 
 
 # ------------------------------ the features' gradient of maxk_aggregate
@@ -508,85 +492,6 @@ maxk_input_grad = KernelOp("maxk_input_grad", _maxk_input_grad, _maxk_input_grad
 #: host time per node.
 maxk_aggregate = KernelOp("maxk_aggregate", _maxk_aggregate, _maxk_aggregate_fake,
                           _maxk_aggregate_setup, _maxk_aggregate_backward)
-
-
-# --------------------------------- select + aggregation + linear maps
-def _maxk_aggregate_linear(x: Tensor, k: int, index: Tensor, weight: Optional[Tensor],
-                           weight_t: Optional[Tensor], layout: List[int], num_dst: int,
-                           scale: Optional[Tensor], lin_weight: Tensor,
-                           lin_bias: Optional[Tensor], dense_weight: Optional[Tensor],
-                           backend: str) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    with_dense = dense_weight is not None
-    agg, values, indices, dense = _maxk_aggregate(x, k, index, weight, weight_t, layout,
-                                                  num_dst, with_dense, scale, backend)
-    if lin_bias is None:
-        out = torch.mm(agg, lin_weight.t())
-    else:
-        out = torch.addmm(lin_bias, agg, lin_weight.t())
-    if with_dense:
-        # In place into the fresh output (cuBLAS's beta = 1), as cbsr_linear's.
-        out.addmm_(dense, dense_weight.t())
-    return out, agg, values, indices, dense
-
-
-def _maxk_aggregate_linear_fake(x, k, index, weight, weight_t, layout, num_dst, scale,
-                                lin_weight, lin_bias, dense_weight, backend):
-    agg, values, indices, dense = _maxk_aggregate_fake(
-        x, k, index, weight, weight_t, layout, num_dst, dense_weight is not None, scale,
-        backend)
-    return agg.new_empty(num_dst, lin_weight.size(0)), agg, values, indices, dense
-
-
-def _maxk_aggregate_linear_setup(ctx, inputs, output) -> None:
-    x, graph = inputs[0], inputs[2:2 + NUM_GRAPH_ARGS]
-    scale, lin_weight, lin_bias, dense_weight, backend = inputs[-5:]
-    _, agg, values, indices, dense = output
-    ctx.set_materialize_grads(False)  # unused outputs cost no zero-filled gradient
-    ctx.dim, ctx.values_dtype, ctx.backend = x.size(1), x.dtype, backend
-    ctx.with_dense = dense_weight is not None
-    ctx.graph_at = 2
-    ctx.linear_at = 2 + NUM_GRAPH_ARGS + 2  # position of lin_weight among the inputs
-    _save_with_graph(ctx, graph, values, indices, scale, extra=(
-        agg, dense if ctx.with_dense else None, lin_weight, dense_weight))
-
-
-def _maxk_aggregate_linear_backward(ctx, grad_out, grad_agg, grad_values, grad_indices,
-                                    grad_dense):
-    indices, values, scale, graph = _saved_with_graph(ctx)
-    agg, dense, lin_weight, dense_weight = _saved_extra(ctx)
-    need = ctx.needs_input_grad
-    at = ctx.linear_at
-    grad_lin_weight = grad_bias = grad_dense_weight = None
-    if grad_out is not None:
-        grad_out = grad_out.contiguous()
-        if need[0] or ctx.weight_grad:  # through the aggregation
-            term = grad_out @ lin_weight
-            grad_agg = term if grad_agg is None else term + grad_agg
-        if ctx.with_dense and need[0]:
-            term = grad_out @ dense_weight
-            grad_dense = term if grad_dense is None else term + grad_dense
-        if need[at]:
-            grad_lin_weight = grad_out.t() @ agg
-        if need[at + 1]:
-            grad_bias = grad_out.sum(0)
-        if ctx.with_dense and need[at + 2]:
-            grad_dense_weight = grad_out.t() @ dense
-    grad_x, grads = _features_and_graph_grads(ctx, graph, indices, values, scale, grad_agg,
-                                              grad_values, grad_dense)
-    return (grad_x, None, *grads, None, None, grad_lin_weight, grad_bias, grad_dense_weight,
-            None)
-
-
-#: :data:`maxk_aggregate` followed by the linear maps of its outputs,
-#: ``agg @ lin_weight.T + lin_bias`` (plus ``dense @ dense_weight.T`` of its
-#: dense form where ``dense_weight`` is given), as one op: a MaxK conv's
-#: whole step (SAGE's two maps, GIN's linear network) in one autograd node,
-#: where the maps as torch's own ops add four more. Returns the result and
-#: ``maxk_aggregate``'s outputs (the dense form empty without
-#: ``dense_weight``).
-maxk_aggregate_linear = KernelOp("maxk_aggregate_linear", _maxk_aggregate_linear,
-                                 _maxk_aggregate_linear_fake, _maxk_aggregate_linear_setup,
-                                 _maxk_aggregate_linear_backward)
 
 
 def _spmm(rowptr: Tensor, col: Tensor, weight: Optional[Tensor], dense: Tensor, num_src: int,
@@ -721,5 +626,5 @@ cbsr_linear = KernelOp("cbsr_linear", _cbsr_linear, _cbsr_linear_fake, _cbsr_lin
                        _cbsr_linear_backward)
 
 #: Every op of this module, for tests (opcheck) and docs.
-ALL_OPS = (maxk_select, cbsr_to_dense, gather_at, spgemm, maxk_aggregate, maxk_aggregate_linear,
-           maxk_input_grad, sspmm, sddmm, spmm, cbsr_linear, cbsr_linear_backward)
+ALL_OPS = (maxk_select, cbsr_to_dense, gather_at, spgemm, maxk_aggregate, maxk_input_grad,
+           sspmm, sddmm, spmm, cbsr_linear, cbsr_linear_backward)
