@@ -226,6 +226,23 @@ def choose_on(op: str, device_type: str, dtype: torch.dtype, *, dim: int = 0, k:
     return decision
 
 
+def fuses_maxk_aggregate(device_type: str, dtype: torch.dtype, dim: int, k: int,
+                         with_dense: bool, requested: str) -> bool:
+    """Whether the Numba kernels run every step of ``maxk_aggregate`` (the
+    select, the aggregation and, ``with_dense``, the densify) on float32 data
+    of ``dtype`` on a device of ``device_type``: then one select launch also
+    takes the dropout, the dense form and the aggregation's zero-fill."""
+    key = ("fused", requested, device_type, dtype, int(dim), int(k), bool(with_dense),
+           _determinism())
+    decision = _DECISIONS.get(key)
+    if decision is None:
+        steps = ("select", "aggregate", "densify") if with_dense else ("select", "aggregate")
+        decision = _DECISIONS[key] = dtype == torch.float32 and all(
+            choose_on(op, device_type, dtype, dim=dim, k=k, requested=requested) == "numba"
+            for op in steps)
+    return decision
+
+
 #: The ops whose Numba CUDA kernels add in float atomics (the order of each
 #: sum varies between runs): the aggregation, its backward, its edge values'
 #: gradient and the edge-list aggregation.
@@ -292,7 +309,7 @@ def cbsr_linear_pays(tensor: torch.Tensor, dim: int, k: int, out: int) -> bool:
             and choose("linear", tensor, dim=dim, k=k, large=False) == "cpu")
 
 
-_DECISIONS: Dict[Tuple, str] = {}
+_DECISIONS: Dict[Tuple, object] = {}
 
 
 def clear_decisions() -> None:

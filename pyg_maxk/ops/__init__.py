@@ -91,8 +91,27 @@ def dropout_scale(x: Tensor, k: int, p: float, training: bool) -> Optional[Tenso
     if p >= 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")
     dtype = torch.promote_types(x.dtype, torch.float32)
+    if x.is_cuda:  # ATen's fused dropout of ones: the draw and the scaling in one launch
+        return F.dropout(_ones(x.size(0), k, dtype, x.device), p, True)
     return torch.empty(x.size(0), k, dtype=dtype, device=x.device).bernoulli_(
         1.0 - p).div_(1.0 - p)
+
+
+def _ones(n: int, k: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """An ``[n, k]`` tensor of ones (one element, expanded), kept per shape
+    in eager mode."""
+    if torch.compiler.is_compiling():
+        return torch.ones((), dtype=dtype, device=device).expand(n, k)
+    key = (n, k, dtype, device)
+    ones = _ONES.get(key)
+    if ones is None:
+        if len(_ONES) >= 64:  # mini-batches of many sizes
+            _ONES.clear()
+        ones = _ONES[key] = torch.ones((), dtype=dtype, device=device).expand(n, k)
+    return ones
+
+
+_ONES: dict = {}
 
 
 def to_dense(h: CBSR) -> Tensor:
@@ -174,8 +193,11 @@ def maxk_aggregate(x: Tensor, k: int, graph: Union[CSRGraph, EdgeListGraph], *,
     # The draw before the op: a custom op's random draws would be opaque to
     # torch.compile (and to CUDA-graph capture of the generator's state).
     scale = dropout_scale(x, k, dropout, training)
-    agg, values, indices, dense = lib.maxk_aggregate(
-        x, k, *graph.operands(k), graph.num_dst, with_dense, scale, get_backend())
+    packed, backend = graph.operands(k), get_backend()
+    out = lib.maxk_aggregate_eager(x, k, packed, graph.num_dst, with_dense, scale, backend)
+    if out is None:
+        out = lib.maxk_aggregate(x, k, *packed, graph.num_dst, with_dense, scale, backend)
+    agg, values, indices, dense = out
     return agg, CBSR(values, indices, x.size(1)), (dense if with_dense else None)
 
 

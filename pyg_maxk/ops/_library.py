@@ -393,16 +393,11 @@ def _maxk_aggregate(x: Tensor, k: int, index: Tensor, weight: Optional[Tensor],
 
 def _fuses_select(x: Tensor, k: int, with_dense: bool, backend: str) -> bool:
     """Whether the Numba kernels run every step of :data:`maxk_aggregate` on
-    float32 ``x``: then the select launch also takes the dropout, the dense
-    form and the aggregation's zero-fill
-    (:func:`~pyg_maxk.ops.numba_ops.maxk_aggregate`)."""
-    if x.dtype != torch.float32 or x.size(0) == 0:
-        return False
-    dim = x.size(1)
-    return (choose("select", x, requested=backend, dim=dim, k=k) == "numba"
-            and choose("aggregate", x, requested=backend, dim=dim, k=k) == "numba"
-            and (not with_dense
-                 or choose("densify", x, requested=backend, dim=dim, k=k) == "numba"))
+    float32 ``x`` (:func:`~pyg_maxk.dispatch.fuses_maxk_aggregate`): then the
+    select launch also takes the dropout, the dense form and the
+    aggregation's zero-fill (:func:`~pyg_maxk.ops.numba_ops.maxk_aggregate`)."""
+    return x.size(0) > 0 and dispatch.fuses_maxk_aggregate(x.device.type, x.dtype, x.size(1),
+                                                            k, with_dense, backend)
 
 
 def _maxk_aggregate_fake(x, k, index, weight, weight_t, layout, num_dst, with_dense, scale,
@@ -492,6 +487,72 @@ maxk_input_grad = KernelOp("maxk_input_grad", _maxk_input_grad, _maxk_input_grad
 #: host time per node.
 maxk_aggregate = KernelOp("maxk_aggregate", _maxk_aggregate, _maxk_aggregate_fake,
                           _maxk_aggregate_setup, _maxk_aggregate_backward)
+
+
+# ------------------------------------- maxk_aggregate's eager Numba path
+def maxk_aggregate_eager(x: Tensor, k: int, graph: PackedGraph, num_dst: int, with_dense: bool,
+                         scale: Optional[Tensor], backend: str):
+    """:data:`maxk_aggregate`'s ``(agg, values, indices, dense or None)``
+    where the Numba kernels run all its steps in float32 in eager mode, else
+    None (then call the op).
+
+    It calls the Numba implementations themselves, forward and backward,
+    with one autograd node as the op's: on a small graph the op's own
+    per-call layers (the pass over its thirteen arguments, a backend choice
+    per step, the generic save and unpacking of the graph) cost more host
+    time than the kernels' launches. The edge values' gradient (the SDDMM)
+    stays with the op: it runs only where they need no gradient."""
+    if not _fused_eagerly(x, k, graph, with_dense, scale, backend):
+        return None
+    if x.requires_grad and torch.is_grad_enabled():
+        return _fused_maxk_aggregate(x, scale, graph, k, num_dst, with_dense, backend)
+    return _module("numba").maxk_aggregate(unpack(*graph), x, k, num_dst, with_dense, scale)
+
+
+def _fused_eagerly(x: Tensor, k: int, graph: PackedGraph, with_dense: bool,
+                   scale: Optional[Tensor], backend: str) -> bool:
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return False
+    if x.dtype != torch.float32 or type(x) not in _PLAIN_TENSORS or x.size(0) == 0:
+        return False
+    for t in (scale, graph.weight, graph.weight_t):
+        if t is not None and (type(t) not in _PLAIN_TENSORS or t.requires_grad):
+            return False
+    return not torch._C._are_functorch_transforms_active() and dispatch.fuses_maxk_aggregate(
+        x.device.type, x.dtype, x.size(1), k, with_dense, backend)
+
+
+def _fused_forward(ctx, x, scale, graph, k, num_dst, with_dense, backend):
+    agg, values, indices, dense = _module("numba").maxk_aggregate(
+        unpack(*graph), x, k, num_dst, with_dense, scale)
+    ctx.set_materialize_grads(False)  # unused outputs cost no zero-filled gradient
+    ctx.save_for_backward(indices, scale, *graph[:-1])
+    ctx.layout, ctx.dim, ctx.backend = graph.layout, x.size(1), backend
+    return agg, values, indices, dense
+
+
+def _fused_backward(ctx, grad_agg, grad_values, grad_indices, grad_dense):
+    indices, scale, *graph = ctx.saved_tensors
+    if grad_agg is None and grad_values is None and grad_dense is None:
+        return None, None, None, None, None, None, None
+    if grad_agg is not None:
+        grad_agg = grad_agg.contiguous()
+    if torch.is_grad_enabled():
+        # create_graph=True: the op's gradient op, whose own backward refuses
+        # a second derivative instead of dropping its terms.
+        grad_x = maxk_input_grad(*graph, ctx.layout, indices, grad_agg, grad_values, grad_dense,
+                                 scale, ctx.dim, torch.float32, ctx.backend)
+    else:
+        grad_x = _module("numba").maxk_input_grad(unpack(*graph, ctx.layout), indices,
+                                                  grad_agg, grad_values, grad_dense, ctx.dim,
+                                                  scale)
+    return grad_x, None, None, None, None, None, None
+
+
+# Named as the op's node (autograd names it "maxk_aggregate_functionBackward").
+_fused_maxk_aggregate = super(torch.autograd.Function, type(
+    "maxk_aggregate_function", (torch.autograd.Function,),
+    {"forward": staticmethod(_fused_forward), "backward": staticmethod(_fused_backward)})).apply
 
 
 def _spmm(rowptr: Tensor, col: Tensor, weight: Optional[Tensor], dense: Tensor, num_src: int,
