@@ -226,20 +226,22 @@ def choose_on(op: str, device_type: str, dtype: torch.dtype, *, dim: int = 0, k:
     return decision
 
 
-def fuses_maxk_aggregate(device_type: str, dtype: torch.dtype, dim: int, k: int,
-                         with_dense: bool, requested: str) -> bool:
-    """Whether the Numba kernels run every step of ``maxk_aggregate`` (the
-    select, the aggregation and, ``with_dense``, the densify) on float32 data
-    of ``dtype`` on a device of ``device_type``: then one select launch also
-    takes the dropout, the dense form and the aggregation's zero-fill."""
-    key = ("fused", requested, device_type, dtype, int(dim), int(k), bool(with_dense),
-           _determinism())
-    decision = _DECISIONS.get(key)
-    if decision is None:
-        steps = ("select", "aggregate", "densify") if with_dense else ("select", "aggregate")
-        decision = _DECISIONS[key] = dtype == torch.float32 and all(
-            choose_on(op, device_type, dtype, dim=dim, k=k, requested=requested) == "numba"
-            for op in steps)
+def maxk_aggregate_kernels(device_type: str, dtype: torch.dtype, dim: int, k: int,
+                           requested: str) -> Optional[str]:
+    """The kernels that run every step of ``maxk_aggregate`` (the select,
+    the aggregation, the densify and their backward) on data of ``dtype`` on
+    a device of ``device_type``: ``"numba"`` (float32 only; its select launch
+    then also takes the dropout, the dense form and the aggregation's
+    zero-fill), ``"cpu"``, or None where the steps take different backends."""
+    key = ("maxk_aggregate", requested, device_type, dtype, int(dim), int(k), _determinism())
+    decision = _DECISIONS.get(key, False)
+    if decision is False:
+        steps = {choose_on(op, device_type, dtype, dim=dim, k=k, requested=requested)
+                 for op in ("select", "aggregate", "densify")}
+        decision = steps.pop() if len(steps) == 1 else None
+        if decision == "torch" or (decision == "numba" and dtype != torch.float32):
+            decision = None
+        _DECISIONS[key] = decision
     return decision
 
 

@@ -857,63 +857,6 @@ def test_maxk_aggregate_select_launch_takes_dropout_dense_and_zero_fill(
             assert dense is None
 
 
-@pytest.mark.parametrize("with_dense,dropout,outputs", [
-    (True, True, ("agg", "values", "dense")),
-    *[pytest.param(*case, marks=pytest.mark.gpu) for case in [
-        (False, False, ("agg",)), (True, False, ("dense",)), (False, True, ("values",)),
-        (True, True, ("agg", "dense"))]]])
-def test_maxk_aggregate_eager_path_equals_the_op(with_dense, dropout, outputs):
-    # In eager mode float32 maxk_aggregate calls the Numba implementations
-    # under one autograd node of its own: its outputs and its gradient for
-    # any subset of them used are the op's (called through the dispatcher).
-    from pyg_maxk.ops import _library as lib
-    graph = CSRGraph.from_adj(random_edge_index(26, 20, 120, seed=4).to(DEVICE), (26, 20),
-                              normalization="mean", cache=False)
-    x = torch.randn(26, 24).to(DEVICE)
-    scale = ((torch.rand(26, 5) < 0.6).float() / 0.6).to(DEVICE) if dropout else None
-    grads = {"agg": torch.randn(20, 24), "values": torch.randn(26, 5), "dense": torch.randn(26, 24)}
-    results = []
-    for eager in (True, False):
-        xg = x.clone().requires_grad_()
-        args = (xg, 5, graph.operands(5), 20, with_dense, scale, "numba")
-        out = lib.maxk_aggregate_eager(*args) if eager else lib.maxk_aggregate.op(
-            xg, 5, *graph.operands(5), 20, with_dense, scale, "numba")
-        assert out is not None
-        named = dict(zip(("agg", "values", "indices", "dense"), out))
-        eager_node = type(named["agg"].grad_fn).__name__ == "maxk_aggregate_functionBackward"
-        assert eager_node == eager
-        loss = sum((named[name] * grads[name].to(DEVICE)).sum() for name in outputs)
-        loss.backward()
-        results.append((*[named[name] for name in outputs], named["indices"], xg.grad))
-    for ours, ref in zip(*results):
-        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
-
-
-def test_maxk_aggregate_eager_path_is_taken_only_where_it_applies():
-    # Learnable edge values (their gradient is the op's SDDMM), another dtype
-    # or backend, an input under a tracing mode: the op. A second derivative
-    # through the eager node refuses, as the op's does.
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from pyg_maxk.ops import _library as lib
-    graph = CSRGraph.from_adj(random_edge_index(12, 12, 40, seed=2).to(DEVICE), (12, 12),
-                              cache=False)
-    x = torch.randn(12, 16).to(DEVICE).requires_grad_()
-    packed = graph.operands(4)
-    assert lib.maxk_aggregate_eager(x, 4, packed, 12, False, None, "numba") is not None
-    learnable = graph.with_weight(torch.rand(graph.num_edges, device=DEVICE).requires_grad_(),
-                                  "sum").operands(4)
-    assert lib.maxk_aggregate_eager(x, 4, learnable, 12, False, None, "numba") is None
-    assert lib.maxk_aggregate_eager(x.double(), 4, packed, 12, False, None, "numba") is None
-    assert lib.maxk_aggregate_eager(x, 4, packed, 12, False, None, "torch") is None
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        assert lib.maxk_aggregate_eager(x, 4, packed, 12, False, None, "numba") is None
-    agg = lib.maxk_aggregate_eager(x, 4, packed, 12, False, None, "numba")[0]
-    (grad,) = torch.autograd.grad(agg.square().sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError, match="second derivatives are not supported"):
-        grad.sum().backward()
-
-
 @pytest.mark.parametrize("bad", ["source", "target_high", "target_low"])
 def test_edge_list_kernel_flags_indices_out_of_range(bad):
     from pyg_maxk.ops.numba_ops import edge_list_values

@@ -273,6 +273,73 @@ def test_maxk_aggregate_equals_its_steps(backend, with_dense, dropout):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+#: Outputs of maxk_aggregate whose gradients flow, by case: ``(with_dense,
+#: dropout, outputs used)``.
+_EAGER_CASES = [(True, True, ("agg", "values", "dense")), (False, False, ("agg",)),
+                (True, False, ("dense",)), (False, True, ("values",)),
+                (True, True, ("agg", "dense"))]
+#: The kernel families that run maxk_aggregate's eager path here (in Numba's
+#: simulator one case: slow).
+_EAGER_PARAMS = ([("numba", torch.float32, *case) for case in _EAGER_CASES] if ON_GPU else
+                 [("cpu", torch.float32, *case) for case in _EAGER_CASES]
+                 + [("cpu", torch.float64, *_EAGER_CASES[0]),
+                    pytest.param("numba", torch.float32, *_EAGER_CASES[0],
+                                 marks=pytest.mark.sim)])
+
+
+@pytest.mark.parametrize("backend,dtype,with_dense,dropout,outputs", _EAGER_PARAMS)
+def test_maxk_aggregate_eager_path_equals_the_op(backend, dtype, with_dense, dropout, outputs):
+    # In eager mode, where one kernel family runs all its steps,
+    # maxk_aggregate calls its implementations under one autograd node of
+    # its own: its outputs and its gradient for any subset of them used are
+    # the op's (called through the dispatcher).
+    graph = _graph(26, 20, 120, "mean", seed=4)
+    x = torch.randn(26, 24, device=DEVICE, dtype=dtype)
+    scale = (torch.rand(26, 5, device=DEVICE) < 0.6).to(dtype) / 0.6 if dropout else None
+    grads = {"agg": torch.randn(20, 24), "values": torch.randn(26, 5),
+             "dense": torch.randn(26, 24)}
+    results = []
+    for eager in (True, False):
+        xg = x.clone().requires_grad_()
+        if eager:
+            out = lib.maxk_aggregate_eager(xg, 5, graph.operands(5), 20, with_dense, scale,
+                                           backend)
+        else:
+            out = lib.maxk_aggregate.op(xg, 5, *graph.operands(5), 20, with_dense, scale,
+                                        backend)
+        named = dict(zip(("agg", "values", "indices", "dense"), out))
+        eager_node = type(named["agg"].grad_fn).__name__ == "maxk_aggregate_functionBackward"
+        assert eager_node == eager
+        loss = sum((named[name] * grads[name].to(DEVICE, dtype)).sum() for name in outputs)
+        loss.backward()
+        results.append((*[named[name] for name in outputs], named["indices"], xg.grad))
+    for ours, ref in zip(*results):
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_maxk_aggregate_eager_path_is_taken_only_where_it_applies():
+    # Learnable edge values (their gradient is the op's SDDMM), a type or a
+    # backend whose steps do not all run on one kernel family, an input
+    # under a tracing mode: the op. A second derivative through the eager
+    # node refuses, as the op's does.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    graph = _graph(12, 12, 40, "sum", seed=2)
+    x = torch.randn(12, 16, device=DEVICE, requires_grad=True)
+    packed = graph.operands(4)
+    assert lib.maxk_aggregate_eager(x, 4, packed, 12, False, None, "auto") is not None
+    learnable = graph.with_weight(torch.rand(graph.num_edges, device=DEVICE).requires_grad_(),
+                                  "sum").operands(4)
+    assert lib.maxk_aggregate_eager(x, 4, learnable, 12, False, None, "auto") is None
+    assert lib.maxk_aggregate_eager(x.half(), 4, packed, 12, False, None, "auto") is None
+    assert lib.maxk_aggregate_eager(x, 4, packed, 12, False, None, "torch") is None
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        assert lib.maxk_aggregate_eager(x, 4, packed, 12, False, None, "auto") is None
+    agg = lib.maxk_aggregate_eager(x, 4, packed, 12, False, None, "auto")[0]
+    (grad,) = torch.autograd.grad(agg.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="second derivatives are not supported"):
+        grad.sum().backward()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
 def test_maxk_aggregate_dropout_keeps_the_features_type(backend, dtype):

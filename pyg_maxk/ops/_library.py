@@ -379,7 +379,7 @@ def _maxk_aggregate(x: Tensor, k: int, index: Tensor, weight: Optional[Tensor],
                     with_dense: bool, scale: Optional[Tensor],
                     backend: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     dim = x.size(1)
-    if _fuses_select(x, k, with_dense, backend):
+    if _fuses_select(x, k, backend):
         agg, values, indices, dense = _module("numba").maxk_aggregate(
             unpack(index, weight, weight_t, layout), x, k, num_dst, with_dense, scale)
         return agg, values, indices, dense if with_dense else x.new_empty(0)
@@ -391,13 +391,13 @@ def _maxk_aggregate(x: Tensor, k: int, index: Tensor, weight: Optional[Tensor],
     return agg, values, indices, dense
 
 
-def _fuses_select(x: Tensor, k: int, with_dense: bool, backend: str) -> bool:
+def _fuses_select(x: Tensor, k: int, backend: str) -> bool:
     """Whether the Numba kernels run every step of :data:`maxk_aggregate` on
-    float32 ``x`` (:func:`~pyg_maxk.dispatch.fuses_maxk_aggregate`): then the
-    select launch also takes the dropout, the dense form and the
+    float32 ``x`` (:func:`~pyg_maxk.dispatch.maxk_aggregate_kernels`): then
+    the select launch also takes the dropout, the dense form and the
     aggregation's zero-fill (:func:`~pyg_maxk.ops.numba_ops.maxk_aggregate`)."""
-    return x.size(0) > 0 and dispatch.fuses_maxk_aggregate(x.device.type, x.dtype, x.size(1),
-                                                            k, with_dense, backend)
+    return x.size(0) > 0 and dispatch.maxk_aggregate_kernels(
+        x.device.type, x.dtype, x.size(1), k, backend) == "numba"
 
 
 def _maxk_aggregate_fake(x, k, index, weight, weight_t, layout, num_dst, with_dense, scale,
@@ -489,70 +489,93 @@ maxk_aggregate = KernelOp("maxk_aggregate", _maxk_aggregate, _maxk_aggregate_fak
                           _maxk_aggregate_setup, _maxk_aggregate_backward)
 
 
-# ------------------------------------- maxk_aggregate's eager Numba path
+# ------------------------------------------- maxk_aggregate's eager path
 def maxk_aggregate_eager(x: Tensor, k: int, graph: PackedGraph, num_dst: int, with_dense: bool,
                          scale: Optional[Tensor], backend: str):
-    """:data:`maxk_aggregate`'s ``(agg, values, indices, dense or None)``
-    where the Numba kernels run all its steps in float32 in eager mode, else
-    None (then call the op).
+    """:data:`maxk_aggregate`'s ``(agg, values, indices, dense or None)`` in
+    eager mode where one kernel family runs all its steps
+    (:func:`~pyg_maxk.dispatch.maxk_aggregate_kernels`), else None (then
+    call the op).
 
-    It calls the Numba implementations themselves, forward and backward,
-    with one autograd node as the op's: on a small graph the op's own
-    per-call layers (the pass over its thirteen arguments, a backend choice
-    per step, the generic save and unpacking of the graph) cost more host
-    time than the kernels' launches. The edge values' gradient (the SDDMM)
-    stays with the op: it runs only where they need no gradient."""
-    if not _fused_eagerly(x, k, graph, with_dense, scale, backend):
+    It calls that family's implementations themselves, forward and
+    backward, with one autograd node as the op's: on a small graph the op's
+    own per-call layers (the pass over its thirteen arguments, a backend
+    choice per step, the generic save and unpacking of the graph) cost more
+    host time than the kernels. The edge values' gradient (the SDDMM) stays
+    with the op: it runs only where they need no gradient."""
+    kernels = _eager_kernels(x, k, graph, scale, backend)
+    if kernels is None:
         return None
     if x.requires_grad and torch.is_grad_enabled():
-        return _fused_maxk_aggregate(x, scale, graph, k, num_dst, with_dense, backend)
-    return _module("numba").maxk_aggregate(unpack(*graph), x, k, num_dst, with_dense, scale)
+        return _eager_maxk_aggregate(x, scale, graph, k, num_dst, with_dense, kernels,
+                                     backend)
+    return _eager_forward_steps(kernels, x, scale, graph, k, num_dst, with_dense)
 
 
-def _fused_eagerly(x: Tensor, k: int, graph: PackedGraph, with_dense: bool,
-                   scale: Optional[Tensor], backend: str) -> bool:
+def _eager_kernels(x: Tensor, k: int, graph: PackedGraph, scale: Optional[Tensor],
+                   backend: str) -> Optional[str]:
     if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
-        return False
-    if x.dtype != torch.float32 or type(x) not in _PLAIN_TENSORS or x.size(0) == 0:
-        return False
+        return None
+    if type(x) not in _PLAIN_TENSORS or x.size(0) == 0:
+        return None
     for t in (scale, graph.weight, graph.weight_t):
         if t is not None and (type(t) not in _PLAIN_TENSORS or t.requires_grad):
-            return False
-    return not torch._C._are_functorch_transforms_active() and dispatch.fuses_maxk_aggregate(
-        x.device.type, x.dtype, x.size(1), k, with_dense, backend)
+            return None
+    if torch._C._are_functorch_transforms_active():
+        return None
+    return dispatch.maxk_aggregate_kernels(x.device.type, x.dtype, x.size(1), k, backend)
 
 
-def _fused_forward(ctx, x, scale, graph, k, num_dst, with_dense, backend):
-    agg, values, indices, dense = _module("numba").maxk_aggregate(
-        unpack(*graph), x, k, num_dst, with_dense, scale)
-    ctx.set_materialize_grads(False)  # unused outputs cost no zero-filled gradient
-    ctx.save_for_backward(indices, scale, *graph[:-1])
-    ctx.layout, ctx.dim, ctx.backend = graph.layout, x.size(1), backend
+def _eager_forward_steps(kernels: str, x: Tensor, scale: Optional[Tensor], graph: PackedGraph,
+                         k: int, num_dst: int, with_dense: bool):
+    g = unpack(*graph)
+    if kernels == "numba":  # one select launch takes the dropout and the dense form
+        return _module("numba").maxk_aggregate(g, x, k, num_dst, with_dense, scale)
+    cpu = _module("cpu")
+    values, indices = cpu.maxk_select(x, k)
+    if scale is not None:  # dropout on the kept values (values is fresh)
+        values = values.mul_(scale)
+    agg = cpu.spgemm(g, values, indices, num_dst, x.size(1))
+    dense = cpu.cbsr_to_dense(values, indices, x.size(1)) if with_dense else None
     return agg, values, indices, dense
 
 
-def _fused_backward(ctx, grad_agg, grad_values, grad_indices, grad_dense):
+def _eager_forward(ctx, x, scale, graph, k, num_dst, with_dense, kernels, backend):
+    agg, values, indices, dense = _eager_forward_steps(kernels, x, scale, graph, k, num_dst,
+                                                       with_dense)
+    ctx.set_materialize_grads(False)  # unused outputs cost no zero-filled gradient
+    ctx.save_for_backward(indices, scale, *graph[:-1])
+    ctx.layout, ctx.dim, ctx.dtype = graph.layout, x.size(1), x.dtype
+    ctx.kernels, ctx.backend = kernels, backend
+    return agg, values, indices, dense
+
+
+def _eager_backward(ctx, grad_agg, grad_values, grad_indices, grad_dense):
     indices, scale, *graph = ctx.saved_tensors
     if grad_agg is None and grad_values is None and grad_dense is None:
-        return None, None, None, None, None, None, None
+        return None, None, None, None, None, None, None, None
     if grad_agg is not None:
         grad_agg = grad_agg.contiguous()
-    if torch.is_grad_enabled():
-        # create_graph=True: the op's gradient op, whose own backward refuses
-        # a second derivative instead of dropping its terms.
+    dim, dtype = ctx.dim, ctx.dtype
+    if torch.is_grad_enabled() or any(t is not None and t.dtype != dtype
+                                      for t in (grad_agg, grad_values, grad_dense)):
+        # create_graph=True (the op's gradient op refuses a second derivative
+        # instead of dropping its terms), or gradients of another type.
         grad_x = maxk_input_grad(*graph, ctx.layout, indices, grad_agg, grad_values, grad_dense,
-                                 scale, ctx.dim, torch.float32, ctx.backend)
-    else:
+                                 scale, dim, dtype, ctx.backend)
+    elif ctx.kernels == "numba":
         grad_x = _module("numba").maxk_input_grad(unpack(*graph, ctx.layout), indices,
-                                                  grad_agg, grad_values, grad_dense, ctx.dim,
-                                                  scale)
-    return grad_x, None, None, None, None, None, None
+                                                  grad_agg, grad_values, grad_dense, dim, scale)
+    else:
+        grad_x = _module("cpu").maxk_input_grad(unpack(*graph, ctx.layout), indices, grad_agg,
+                                                grad_values, grad_dense, dim, dtype, scale)
+    return grad_x, None, None, None, None, None, None, None
 
 
 # Named as the op's node (autograd names it "maxk_aggregate_functionBackward").
-_fused_maxk_aggregate = super(torch.autograd.Function, type(
+_eager_maxk_aggregate = super(torch.autograd.Function, type(
     "maxk_aggregate_function", (torch.autograd.Function,),
-    {"forward": staticmethod(_fused_forward), "backward": staticmethod(_fused_backward)})).apply
+    {"forward": staticmethod(_eager_forward), "backward": staticmethod(_eager_backward)})).apply
 
 
 def _spmm(rowptr: Tensor, col: Tensor, weight: Optional[Tensor], dense: Tensor, num_src: int,
