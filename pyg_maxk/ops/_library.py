@@ -379,9 +379,10 @@ def _maxk_aggregate(x: Tensor, k: int, index: Tensor, weight: Optional[Tensor],
                     with_dense: bool, scale: Optional[Tensor],
                     backend: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     dim = x.size(1)
-    if _fuses_select(x, k, backend):
-        agg, values, indices, dense = _module("numba").maxk_aggregate(
-            unpack(index, weight, weight_t, layout), x, k, num_dst, with_dense, scale)
+    kernels = _one_family(x, k, backend)
+    if kernels is not None:
+        agg, values, indices, dense = _family_forward(
+            kernels, unpack(index, weight, weight_t, layout), x, k, num_dst, with_dense, scale)
         return agg, values, indices, dense if with_dense else x.new_empty(0)
     values, indices = _maxk_select(x, k, backend)
     if scale is not None:  # dropout on the kept values (values is fresh)
@@ -391,13 +392,44 @@ def _maxk_aggregate(x: Tensor, k: int, index: Tensor, weight: Optional[Tensor],
     return agg, values, indices, dense
 
 
-def _fuses_select(x: Tensor, k: int, backend: str) -> bool:
-    """Whether the Numba kernels run every step of :data:`maxk_aggregate` on
-    float32 ``x`` (:func:`~pyg_maxk.dispatch.maxk_aggregate_kernels`): then
-    the select launch also takes the dropout, the dense form and the
-    aggregation's zero-fill (:func:`~pyg_maxk.ops.numba_ops.maxk_aggregate`)."""
-    return x.size(0) > 0 and dispatch.maxk_aggregate_kernels(
-        x.device.type, x.dtype, x.size(1), k, backend) == "numba"
+def _one_family(x: Tensor, k: int, backend: str) -> Optional[str]:
+    """The kernel family that runs every step of :data:`maxk_aggregate` on
+    ``x`` (:func:`~pyg_maxk.dispatch.maxk_aggregate_kernels`), None where the
+    steps take their backends one by one (and for no rows)."""
+    if x.size(0) == 0:
+        return None
+    return dispatch.maxk_aggregate_kernels(x.device.type, x.dtype, x.size(1), k, backend)
+
+
+def _family_forward(kernels: str, g, x: Tensor, k: int, num_dst: int, with_dense: bool,
+                    scale: Optional[Tensor]):
+    """``(agg, values, indices, dense or None)`` of :data:`maxk_aggregate` by
+    one kernel family: the Numba kernels' select launch also takes the
+    dropout, the dense form and the aggregation's zero-fill
+    (:func:`~pyg_maxk.ops.numba_ops.maxk_aggregate`); the CPU kernels' steps
+    run one after the other."""
+    if kernels == "numba":
+        return _module("numba").maxk_aggregate(g, x, k, num_dst, with_dense, scale)
+    cpu = _module("cpu")
+    values, indices = cpu.maxk_select(x, k)
+    if scale is not None:  # dropout on the kept values (values is fresh)
+        values = values.mul_(scale)
+    agg = cpu.spgemm(g, values, indices, num_dst, x.size(1))
+    dense = cpu.cbsr_to_dense(values, indices, x.size(1)) if with_dense else None
+    return agg, values, indices, dense
+
+
+def _family_input_grad(kernels: str, g, indices: Tensor, grad_agg: Optional[Tensor],
+                       grad_values: Optional[Tensor], grad_dense: Optional[Tensor], dim: int,
+                       dtype: torch.dtype, scale: Optional[Tensor]) -> Tensor:
+    """:data:`maxk_input_grad` by one kernel family, every gradient of
+    ``dtype`` (float32 for the Numba kernels): the SSpMM and one fused
+    densify launch, or one CPU kernel."""
+    if kernels == "numba":
+        return _module("numba").maxk_input_grad(g, indices, grad_agg, grad_values, grad_dense,
+                                                dim, scale)
+    return _module("cpu").maxk_input_grad(g, indices, grad_agg, grad_values, grad_dense, dim,
+                                          dtype, scale)
 
 
 def _maxk_aggregate_fake(x, k, index, weight, weight_t, layout, num_dst, with_dense, scale,
@@ -447,14 +479,10 @@ def _maxk_input_grad(index: Tensor, weight: Optional[Tensor], weight_t: Optional
     if all(t.dtype == dtype for t in given):
         k = indices.size(1)
         chosen = choose("aggregate", given[0], requested=backend, dim=dim, k=k)
-        if chosen == choose("densify", given[0], requested=backend, dim=dim, k=k):
-            g = unpack(index, weight, weight_t, layout)
-            if chosen == "cpu":
-                return _module("cpu").maxk_input_grad(g, indices, grad_agg, grad_values,
-                                                      grad_dense, dim, dtype, scale)
-            if chosen == "numba" and dtype == torch.float32:
-                return _module("numba").maxk_input_grad(g, indices, grad_agg, grad_values,
-                                                        grad_dense, dim, scale)
+        if chosen == choose("densify", given[0], requested=backend, dim=dim, k=k) and (
+                chosen == "cpu" or (chosen == "numba" and dtype == torch.float32)):
+            return _family_input_grad(chosen, unpack(index, weight, weight_t, layout), indices,
+                                      grad_agg, grad_values, grad_dense, dim, dtype, scale)
     grad = None
     if grad_agg is not None:
         grad = as_dtype(_sspmm(index, weight, weight_t, layout, indices, grad_agg.contiguous(),
@@ -509,40 +537,26 @@ def maxk_aggregate_eager(x: Tensor, k: int, graph: PackedGraph, num_dst: int, wi
     if x.requires_grad and torch.is_grad_enabled():
         return _eager_maxk_aggregate(x, scale, graph, k, num_dst, with_dense, kernels,
                                      backend)
-    return _eager_forward_steps(kernels, x, scale, graph, k, num_dst, with_dense)
+    return _family_forward(kernels, unpack(*graph), x, k, num_dst, with_dense, scale)
 
 
 def _eager_kernels(x: Tensor, k: int, graph: PackedGraph, scale: Optional[Tensor],
                    backend: str) -> Optional[str]:
     if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
         return None
-    if type(x) not in _PLAIN_TENSORS or x.size(0) == 0:
+    if type(x) not in _PLAIN_TENSORS:
         return None
     for t in (scale, graph.weight, graph.weight_t):
         if t is not None and (type(t) not in _PLAIN_TENSORS or t.requires_grad):
             return None
     if torch._C._are_functorch_transforms_active():
         return None
-    return dispatch.maxk_aggregate_kernels(x.device.type, x.dtype, x.size(1), k, backend)
-
-
-def _eager_forward_steps(kernels: str, x: Tensor, scale: Optional[Tensor], graph: PackedGraph,
-                         k: int, num_dst: int, with_dense: bool):
-    g = unpack(*graph)
-    if kernels == "numba":  # one select launch takes the dropout and the dense form
-        return _module("numba").maxk_aggregate(g, x, k, num_dst, with_dense, scale)
-    cpu = _module("cpu")
-    values, indices = cpu.maxk_select(x, k)
-    if scale is not None:  # dropout on the kept values (values is fresh)
-        values = values.mul_(scale)
-    agg = cpu.spgemm(g, values, indices, num_dst, x.size(1))
-    dense = cpu.cbsr_to_dense(values, indices, x.size(1)) if with_dense else None
-    return agg, values, indices, dense
+    return _one_family(x, k, backend)
 
 
 def _eager_forward(ctx, x, scale, graph, k, num_dst, with_dense, kernels, backend):
-    agg, values, indices, dense = _eager_forward_steps(kernels, x, scale, graph, k, num_dst,
-                                                       with_dense)
+    agg, values, indices, dense = _family_forward(kernels, unpack(*graph), x, k, num_dst,
+                                                  with_dense, scale)
     ctx.set_materialize_grads(False)  # unused outputs cost no zero-filled gradient
     ctx.save_for_backward(indices, scale, *graph[:-1])
     ctx.layout, ctx.dim, ctx.dtype = graph.layout, x.size(1), x.dtype
@@ -563,12 +577,9 @@ def _eager_backward(ctx, grad_agg, grad_values, grad_indices, grad_dense):
         # instead of dropping its terms), or gradients of another type.
         grad_x = maxk_input_grad(*graph, ctx.layout, indices, grad_agg, grad_values, grad_dense,
                                  scale, dim, dtype, ctx.backend)
-    elif ctx.kernels == "numba":
-        grad_x = _module("numba").maxk_input_grad(unpack(*graph, ctx.layout), indices,
-                                                  grad_agg, grad_values, grad_dense, dim, scale)
     else:
-        grad_x = _module("cpu").maxk_input_grad(unpack(*graph, ctx.layout), indices, grad_agg,
-                                                grad_values, grad_dense, dim, dtype, scale)
+        grad_x = _family_input_grad(ctx.kernels, unpack(*graph, ctx.layout), indices, grad_agg,
+                                    grad_values, grad_dense, dim, dtype, scale)
     return grad_x, None, None, None, None, None, None, None
 
 
