@@ -231,14 +231,30 @@ def maxk_aggregate_kernels(device_type: str, dtype: torch.dtype, dim: int, k: in
     """The kernels that run every step of ``maxk_aggregate`` (the select,
     the aggregation, the densify and their backward) on data of ``dtype`` on
     a device of ``device_type``: ``"numba"`` (float32 only; its select launch
-    then also takes the dropout, the dense form and the aggregation's
-    zero-fill), ``"cpu"``, or None where the steps take different backends."""
-    key = ("maxk_aggregate", requested, device_type, dtype, int(dim), int(k), _determinism())
+    then also takes the dropout, the dense form and the zero-fills of the
+    aggregation and of its backward), ``"cpu"``, or None where the steps take
+    different backends."""
+    return _one_family(("select", "aggregate", "densify"), device_type, dtype, dim, k,
+                       requested)
+
+
+def maxk_input_grad_kernels(device_type: str, dtype: torch.dtype, dim: int, k: int,
+                            requested: str) -> Optional[str]:
+    """:func:`maxk_aggregate_kernels` for its backward alone (the SSpMM and
+    the densify of the features' gradient, no select)."""
+    return _one_family(("aggregate", "densify"), device_type, dtype, dim, k, requested)
+
+
+def _one_family(steps: Tuple[str, ...], device_type: str, dtype: torch.dtype, dim: int, k: int,
+                requested: str) -> Optional[str]:
+    """The backend that runs all of ``steps`` where one does and has fused
+    kernels for them on ``dtype`` ("numba" in float32, "cpu"), else None."""
+    key = (steps, requested, device_type, dtype, int(dim), int(k), _determinism())
     decision = _DECISIONS.get(key, False)
     if decision is False:
-        steps = {choose_on(op, device_type, dtype, dim=dim, k=k, requested=requested)
-                 for op in ("select", "aggregate", "densify")}
-        decision = steps.pop() if len(steps) == 1 else None
+        chosen = {choose_on(op, device_type, dtype, dim=dim, k=k, requested=requested)
+                  for op in steps}
+        decision = chosen.pop() if len(chosen) == 1 else None
         if decision == "torch" or (decision == "numba" and dtype != torch.float32):
             decision = None
         _DECISIONS[key] = decision

@@ -145,7 +145,7 @@ def test_maxk_select_counts_agree_with_and_without_redux(dim, k):
             values = torch.empty(n, k, device="cuda")
             indices = torch.empty(n, k, dtype=pyg_maxk.index_dtype_for(dim), device="cuda")
             run(select_kernel(dim, k, rows_per_block, redux), blocks, threads, x.device, x,
-                x.view(torch.int32), values, indices, n, x, x, x)  # x: unused stand-ins
+                x.view(torch.int32), values, indices, n, x, x, x, x)  # x: unused stand-ins
             picked.append((values, indices))
         assert torch.equal(picked[0][0], picked[1][0])
         assert torch.equal(picked[0][1], picked[1][1])

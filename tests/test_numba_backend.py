@@ -816,15 +816,16 @@ def test_edge_list_maxk_aggregate_matches_the_csr_graph(with_dense):
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("with_dense,dropout,bounded", [
-    pytest.param(True, True, False, marks=smoke), (False, False, False), (True, False, True),
-    (False, True, True)])
+@pytest.mark.parametrize("with_dense,dropout,bounded,sums", [
+    pytest.param(True, True, False, True, marks=smoke), (False, False, False, False),
+    (True, False, True, True), (False, True, True, False)])
 def test_maxk_aggregate_select_launch_takes_dropout_dense_and_zero_fill(
-        monkeypatch, with_dense, dropout, bounded):
+        monkeypatch, with_dense, dropout, bounded, sums):
     # One select launch scales the kept values (dropout), writes the dense
-    # form and zeroes the split rows' float32 sums: the results of the steps
-    # one at a time (select, the scale's product, densify, the aggregation
-    # with its own zero-fill), every output written (fresh tensors poisoned).
+    # form, zeroes the split rows' float32 sums and the backward's SSpMM
+    # sums: the results of the steps one at a time (select, the scale's
+    # product, densify, the aggregation with its own zero-fill, the SSpMM
+    # with its own), every output written (fresh tensors poisoned).
     from pyg_maxk.graph import unpack
     monkeypatch.setattr(pyg_maxk.graph.schedule, "PAIRS_PER_ITEM", 16 * 4)
     src = torch.arange(120) % 25
@@ -845,9 +846,18 @@ def test_maxk_aggregate_select_launch_takes_dropout_dense_and_zero_fill(
         ref_values = ref_values * scale
     ref_agg = numba_ops.spgemm(g, ref_values, ref_indices, 32, 40)
     ref_dense = numba_ops.cbsr_to_dense(ref_values, ref_indices, 40)
+    grad_agg = torch.randn(32, 40).to(DEVICE)
+    ref_kept = numba_ops.sspmm(g, ref_indices, grad_agg, 25)
     monkeypatch.setattr(numba_ops.torch, "empty", poisoned)
     for _ in range(2):  # the first launches, then the prepared ones
-        agg, values, indices, dense = numba_ops.maxk_aggregate(g, x, 4, 32, with_dense, scale)
+        zeroed = poisoned(25, 4, device=DEVICE) if sums else None
+        agg, values, indices, dense = numba_ops.maxk_aggregate(g, x, 4, 32, with_dense, scale,
+                                                               zeroed)
+        if sums:
+            assert torch.equal(zeroed, torch.zeros_like(zeroed))
+            kept = numba_ops.sspmm(g, indices, grad_agg, 25, zeroed)
+            assert kept.data_ptr() == zeroed.data_ptr()
+            torch.testing.assert_close(kept, ref_kept, rtol=1e-6, atol=1e-6)
         assert torch.equal(indices, ref_indices)
         assert torch.equal(values, ref_values)
         torch.testing.assert_close(agg, ref_agg, rtol=1e-6, atol=1e-6)

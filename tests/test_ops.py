@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import pyg_maxk
-from helpers import random_edge_index
+from helpers import poison_allocator, random_edge_index
 from pyg_maxk import CSRGraph
 from pyg_maxk.ops import _library as lib
 
@@ -315,6 +315,29 @@ def test_maxk_aggregate_eager_path_equals_the_op(backend, dtype, with_dense, dro
         results.append((*[named[name] for name in outputs], named["indices"], xg.grad))
     for ours, ref in zip(*results):
         torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", [
+    "numba" if ON_GPU else pytest.param("numba", marks=pytest.mark.sim), "cpu"])
+def test_maxk_aggregate_eager_backward_runs_again_with_retain_graph(backend):
+    # The Numba select launch zeroes the sums of the backward's SSpMM; they
+    # serve one backward, and a second one (retain_graph=True) adds the same
+    # gradient again.
+    if backend == "cpu" and ON_GPU:
+        pytest.skip("the CPU kernels run CPU tensors")
+    graph = _graph(26, 20, 120, "mean", seed=5)
+    x = torch.randn(26, 24, device=DEVICE)
+    grad = torch.randn(20, 24, device=DEVICE)
+    poison_allocator()
+    xg = x.clone().requires_grad_()
+    agg = lib.maxk_aggregate_eager(xg, 5, graph.operands(5), 20, False, None, backend)[0]
+    agg.backward(grad, retain_graph=True)
+    first = xg.grad.clone()
+    agg.backward(grad)
+    ref = x.clone().requires_grad_()
+    lib.maxk_aggregate.op(ref, 5, *graph.operands(5), 20, False, None, backend)[0].backward(grad)
+    torch.testing.assert_close(first, ref.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(xg.grad, 2 * ref.grad, rtol=1e-5, atol=1e-6)
 
 
 def test_maxk_aggregate_eager_path_is_taken_only_where_it_applies():

@@ -84,7 +84,7 @@ def _order_key():
 @functools.lru_cache(maxsize=None)
 def select_kernel(dim: int, k: int, rows_per_block: int, redux: bool = False,
                   half: str = "", scaled: bool = False, densify: bool = False,
-                  zero_fill: bool = False):
+                  zero_fill: bool = False, zero_sums: bool = False):
     """The compiled selection kernel for one ``(dim, k)``; ``x_bits`` is ``x``
     viewed as int32. ``redux``: count with ``redux.sync`` (sm_80+; see
     :func:`~._warp.warp_sum`). ``half`` (``"bf16"``/``"fp16"``): ``x``,
@@ -97,9 +97,12 @@ def select_kernel(dim: int, k: int, rows_per_block: int, redux: bool = False,
     ``densify`` writes each row's dense form into ``dense`` as well (zeros
     at the columns not kept), ``zero_fill`` zeroes ``partial`` (the
     aggregation's float32 sums of its split rows, which its next launch adds
-    into). The arrays of the steps not taken are never touched."""
-    if half and (scaled or densify):
-        raise ValueError("the select kernel scales and densifies float32 rows only")
+    into), ``zero_sums`` zeroes ``sums`` (``[num_rows, k]``, one cell per
+    kept slot: the float32 sums that the backward's SSpMM adds into). The
+    arrays of the steps not taken are never touched."""
+    if half and (scaled or densify or zero_sums):
+        raise ValueError("the select kernel scales, densifies and zeroes sums of float32 "
+                         "rows only")
     is_half = bool(half)
     key_bits = float_bits(half) if is_half else None
     per_lane = math.ceil(dim / WARP)
@@ -114,7 +117,7 @@ def select_kernel(dim: int, k: int, rows_per_block: int, redux: bool = False,
     rpb = uint32(rows_per_block)
 
     @kernel_jit()
-    def maxk_select(x, x_bits, values, indices, num_rows, scale, dense, partial):
+    def maxk_select(x, x_bits, values, indices, num_rows, scale, dense, partial, sums):
         if zero_fill:
             cells = uint32(partial.shape[0]) * d32
             for i in range(uint32(cuda.grid(1)), cells, uint32(cuda.gridsize(1))):
@@ -184,6 +187,8 @@ def select_kernel(dim: int, k: int, rows_per_block: int, redux: bool = False,
                             value *= scale[row, slot]
                         values[row, slot] = value
                         indices[row, slot] = c
+                        if zero_sums:
+                            sums[row, slot] = float32(0)
                         slot += one
                         if densify:
                             dense[row, c] = value

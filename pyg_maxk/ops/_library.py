@@ -402,14 +402,15 @@ def _one_family(x: Tensor, k: int, backend: str) -> Optional[str]:
 
 
 def _family_forward(kernels: str, g, x: Tensor, k: int, num_dst: int, with_dense: bool,
-                    scale: Optional[Tensor]):
+                    scale: Optional[Tensor], sums: Optional[Tensor] = None):
     """``(agg, values, indices, dense or None)`` of :data:`maxk_aggregate` by
     one kernel family: the Numba kernels' select launch also takes the
-    dropout, the dense form and the aggregation's zero-fill
+    dropout, the dense form, the aggregation's zero-fill and that of the
+    backward's ``sums`` where given
     (:func:`~pyg_maxk.ops.numba_ops.maxk_aggregate`); the CPU kernels' steps
     run one after the other."""
     if kernels == "numba":
-        return _module("numba").maxk_aggregate(g, x, k, num_dst, with_dense, scale)
+        return _module("numba").maxk_aggregate(g, x, k, num_dst, with_dense, scale, sums)
     cpu = _module("cpu")
     values, indices = cpu.maxk_select(x, k)
     if scale is not None:  # dropout on the kept values (values is fresh)
@@ -421,13 +422,14 @@ def _family_forward(kernels: str, g, x: Tensor, k: int, num_dst: int, with_dense
 
 def _family_input_grad(kernels: str, g, indices: Tensor, grad_agg: Optional[Tensor],
                        grad_values: Optional[Tensor], grad_dense: Optional[Tensor], dim: int,
-                       dtype: torch.dtype, scale: Optional[Tensor]) -> Tensor:
+                       dtype: torch.dtype, scale: Optional[Tensor],
+                       sums: Optional[Tensor] = None) -> Tensor:
     """:data:`maxk_input_grad` by one kernel family, every gradient of
-    ``dtype`` (float32 for the Numba kernels): the SSpMM and one fused
-    densify launch, or one CPU kernel."""
+    ``dtype`` (float32 for the Numba kernels): the SSpMM (into the zeroed
+    ``sums`` where given) and one fused densify launch, or one CPU kernel."""
     if kernels == "numba":
         return _module("numba").maxk_input_grad(g, indices, grad_agg, grad_values, grad_dense,
-                                                dim, scale)
+                                                dim, scale, sums)
     return _module("cpu").maxk_input_grad(g, indices, grad_agg, grad_values, grad_dense, dim,
                                           dtype, scale)
 
@@ -477,11 +479,10 @@ def _maxk_input_grad(index: Tensor, weight: Optional[Tensor], weight_t: Optional
     # Numba kernels run both in float32.
     given = [t for t in (grad_agg, grad_values, grad_dense, scale) if t is not None]
     if all(t.dtype == dtype for t in given):
-        k = indices.size(1)
-        chosen = choose("aggregate", given[0], requested=backend, dim=dim, k=k)
-        if chosen == choose("densify", given[0], requested=backend, dim=dim, k=k) and (
-                chosen == "cpu" or (chosen == "numba" and dtype == torch.float32)):
-            return _family_input_grad(chosen, unpack(index, weight, weight_t, layout), indices,
+        kernels = dispatch.maxk_input_grad_kernels(indices.device.type, dtype, dim,
+                                                   indices.size(1), backend)
+        if kernels is not None:
+            return _family_input_grad(kernels, unpack(index, weight, weight_t, layout), indices,
                                       grad_agg, grad_values, grad_dense, dim, dtype, scale)
     grad = None
     if grad_agg is not None:
@@ -555,12 +556,16 @@ def _eager_kernels(x: Tensor, k: int, graph: PackedGraph, scale: Optional[Tensor
 
 
 def _eager_forward(ctx, x, scale, graph, k, num_dst, with_dense, kernels, backend):
+    # The Numba select launch also zeroes the backward's SSpMM sums: a
+    # zero-fill fewer on autograd's device thread.
+    sums = (torch.empty(x.size(0), k, dtype=torch.float32, device=x.device)
+            if kernels == "numba" else None)
     agg, values, indices, dense = _family_forward(kernels, unpack(*graph), x, k, num_dst,
-                                                  with_dense, scale)
+                                                  with_dense, scale, sums)
     ctx.set_materialize_grads(False)  # unused outputs cost no zero-filled gradient
     ctx.save_for_backward(indices, scale, *graph[:-1])
     ctx.layout, ctx.dim, ctx.dtype = graph.layout, x.size(1), x.dtype
-    ctx.kernels, ctx.backend = kernels, backend
+    ctx.kernels, ctx.backend, ctx.sums = kernels, backend, sums
     return agg, values, indices, dense
 
 
@@ -578,8 +583,10 @@ def _eager_backward(ctx, grad_agg, grad_values, grad_indices, grad_dense):
         grad_x = maxk_input_grad(*graph, ctx.layout, indices, grad_agg, grad_values, grad_dense,
                                  scale, dim, dtype, ctx.backend)
     else:
+        # The zeroed sums serve one backward (retain_graph=True may run more).
+        sums, ctx.sums = (ctx.sums if grad_agg is not None else None), None
         grad_x = _family_input_grad(ctx.kernels, unpack(*graph, ctx.layout), indices, grad_agg,
-                                    grad_values, grad_dense, dim, dtype, scale)
+                                    grad_values, grad_dense, dim, dtype, scale, sums)
     return grad_x, None, None, None, None, None, None, None
 
 

@@ -189,21 +189,24 @@ def maxk_select(x: Tensor, k: int) -> Tuple[Tensor, Tensor]:
             # The fused steps' arrays, never touched here: the input stands in
             # (the simulator copies every array argument back after a launch,
             # and a stand-in output would overwrite what the kernel wrote).
-            args = (xk, xk if half else xk.view(torch.int32), target, indices, n, xk, xk, xk)
+            args = (xk, xk if half else xk.view(torch.int32), target, indices, n, xk, xk, xk, xk)
             run(kernel, blocks, threads, x.device, *args)
             _remember(_PLANS, key, lambda: run.prepare(kernel, blocks, threads, x.device,
-                                                       args, (0, 1, 2, 3, 5, 6, 7)))
+                                                       args, (0, 1, 2, 3, 5, 6, 7, 8)))
     return as_dtype(values, x.dtype), indices
 
 
 def maxk_aggregate(g: GraphOperands, x: Tensor, k: int, num_dst: int, with_dense: bool,
-                   scale: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+                   scale: Optional[Tensor], sums: Optional[Tensor] = None
+                   ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     """``(A @ h, h's values, h's indices, h's dense form or None)`` for ``h``
     the MaxK of float32 ``x [N, dim]`` (``N > 0``) with its kept values times
     the dropout ``scale`` (``[N, k]`` float32; None: none): one select launch
-    that also scales, densifies (``with_dense``) and zeroes the aggregation's
-    float32 sums of its split rows, then :func:`spgemm`'s launches. Two ops
-    and a launch fewer than :func:`maxk_select`, ``values.mul_(scale)``,
+    that also scales, densifies (``with_dense``), zeroes the aggregation's
+    float32 sums of its split rows and zeroes ``sums`` (``[N, k]`` float32,
+    contiguous; None: none), the backward's SSpMM sums
+    (:func:`maxk_input_grad`), then :func:`spgemm`'s launches. Two ops and a
+    launch fewer than :func:`maxk_select`, ``values.mul_(scale)``,
     :func:`spgemm` and :func:`cbsr_to_dense` in turn, with their results."""
     n, dim = x.shape
     x = x.contiguous()
@@ -213,19 +216,22 @@ def maxk_aggregate(g: GraphOperands, x: Tensor, k: int, num_dst: int, with_dense
     num_zeroed = g.zeroed_rows.numel() if g.row is None and g.item_row.numel() > 0 else 0
     partial = (torch.empty(num_zeroed, dim, dtype=KERNEL_DTYPE, device=x.device)
                if num_zeroed > 0 else None)
-    arrays = [x if t is None else t for t in (scale, dense, partial)]  # x: a stand-in, read-only
-    key = ("select fused", n, dim, k, x.device, scale is not None, with_dense, num_zeroed)
+    # x: a stand-in for the arrays of the steps not taken, read-only
+    arrays = [x if t is None else t for t in (scale, dense, partial, sums)]
+    key = ("select fused", n, dim, k, x.device, scale is not None, with_dense, num_zeroed,
+           sums is not None)
     launch = _prepared(_PLANS, key)
     if launch is not None:
         launch(x, x, values, indices, *arrays)
     else:
         run, rows_per_block, threads, blocks = _row_launch(n, x.device)
         kernel = select_kernel(dim, k, rows_per_block, _has_redux(x.device), "",
-                               scale is not None, with_dense, partial is not None)
+                               scale is not None, with_dense, partial is not None,
+                               sums is not None)
         args = (x, x.view(torch.int32), values, indices, n, *arrays)
         run(kernel, blocks, threads, x.device, *args)
         _remember(_PLANS, key, lambda: run.prepare(kernel, blocks, threads, x.device, args,
-                                                   (0, 1, 2, 3, 5, 6, 7)))
+                                                   (0, 1, 2, 3, 5, 6, 7, 8)))
     return spgemm(g, values, indices, num_dst, dim, partial), values, indices, dense
 
 
@@ -257,18 +263,20 @@ def cbsr_to_dense(values: Tensor, indices: Tensor, dim: int) -> Tensor:
 
 def maxk_input_grad(g: GraphOperands, indices: Tensor, grad_agg: Optional[Tensor],
                     grad_values: Optional[Tensor], grad_dense: Optional[Tensor],
-                    dim: int, scale: Optional[Tensor] = None) -> Tensor:
+                    dim: int, scale: Optional[Tensor] = None,
+                    sums: Optional[Tensor] = None) -> Tensor:
     """The float32 gradient ``[num_src, dim]`` of MaxK and the aggregation
     of its CBSR w.r.t. the features, from the float32 gradients of the
     aggregation (``[num_dst, dim]``), of the CBSR values (``[num_src, k]``)
     and of the dense form (``[num_src, dim]``), each None when absent, through
     the dropout ``scale`` (``[num_src, k]`` float32) of the kept values where
-    given: :func:`sspmm` of the first, then one launch
+    given: :func:`sspmm` of the first (into ``sums`` where given: zeroed
+    float32 ``[num_src, k]``, e.g. by :func:`maxk_aggregate`), then one launch
     (:func:`~pyg_maxk.kernels.maxk_select.densify_sum_kernel`) that adds the
     kept values' gradients and the dense one sampled at the pattern, scales
     them and writes the dense rows."""
     n, k = indices.shape
-    kept = sspmm(g, indices, grad_agg, n) if grad_agg is not None else None
+    kept = sspmm(g, indices, grad_agg, n, sums) if grad_agg is not None else None
     dense = torch.empty(n, dim, dtype=KERNEL_DTYPE, device=indices.device)  # rows written whole
     if n > 0:
         indices = indices.contiguous()
@@ -448,12 +456,12 @@ def _edge_list_spgemm(g: GraphOperands, values: Tensor, indices: Tensor, num_dst
 
 
 def _edge_list_sspmm(g: GraphOperands, indices: Tensor, grad_out: Tensor,
-                     num_src: int) -> Tensor:
-    """:func:`sspmm` over an edge list: a zero-fill and one launch of
-    float32 atomics."""
+                     num_src: int, sums: Optional[Tensor]) -> Tensor:
+    """:func:`sspmm` over an edge list: a zero-fill (none where ``sums`` is
+    given) and one launch of float32 atomics."""
     weight, row_scale = kernel_weights(g)
     k = indices.size(1)
-    grad_values = torch.zeros(num_src, k, dtype=KERNEL_DTYPE, device=grad_out.device)
+    grad_values = _zeroed_sums(sums, num_src, k, grad_out.device)
     slots = g.col.numel() * k
     if slots > 0:
         run, threads, blocks = _flat_launch(slots, grad_out.device)
@@ -667,18 +675,21 @@ def _or_unread(optional: Optional[Tensor], stand_in: Tensor) -> Tensor:
     return optional if optional is not None else stand_in
 
 
-def sspmm(g: GraphOperands, indices: Tensor, grad_out: Tensor, num_src: int) -> Tensor:
+def sspmm(g: GraphOperands, indices: Tensor, grad_out: Tensor, num_src: int,
+          sums: Optional[Tensor] = None) -> Tensor:
     """The gradient ``[num_src, k]`` (in ``grad_out``'s dtype) of
     :func:`spgemm` w.r.t. the CBSR values: ``grad_out`` sampled through the
-    transposed graph at the CBSR pattern, per-edge float32 reductions, or
-    packed half-precision ones where :func:`_reduces_in_half`."""
+    transposed graph at the CBSR pattern, per-edge float32 reductions (added
+    into ``sums`` where given: zeroed, float32, contiguous ``[num_src, k]``;
+    else into a fresh zero-filled tensor), or packed half-precision ones
+    where :func:`_reduces_in_half`."""
     if g.row is not None:
-        return _edge_list_sspmm(g, indices, grad_out, num_src)
+        return _edge_list_sspmm(g, indices, grad_out, num_src, sums)
     k = indices.size(1)
     weight, row_scale = kernel_weights(g)
     packed = _reduces_in_half(grad_out, indices)
-    grad_values = torch.zeros(num_src, k, dtype=grad_out.dtype if packed else KERNEL_DTYPE,
-                              device=grad_out.device)
+    grad_values = (torch.zeros(num_src, k, dtype=grad_out.dtype, device=grad_out.device)
+                   if packed else _zeroed_sums(sums, num_src, k, grad_out.device))
     num_items = g.item_row.numel()
     if num_items > 0:
         plans = _graph_plans(g)
@@ -709,6 +720,17 @@ def sspmm(g: GraphOperands, indices: Tensor, grad_out: Tensor, num_src: int) -> 
             _remember(plans, key, lambda: run.prepare(kernel, blocks, threads, grad_out.device,
                                                       args, (4, 5, 6, 7, 8)))
     return as_dtype(grad_values, grad_out.dtype)
+
+
+def _zeroed_sums(sums: Optional[Tensor], num_src: int, k: int, device: torch.device) -> Tensor:
+    """The float32 ``[num_src, k]`` sums an SSpMM adds into: ``sums`` where
+    given (zeroed by its caller), else zero-filled here."""
+    if sums is None:
+        return torch.zeros(num_src, k, dtype=KERNEL_DTYPE, device=device)
+    if sums.shape != (num_src, k) or sums.dtype != KERNEL_DTYPE or not sums.is_contiguous():
+        raise ValueError(f"the SSpMM sums must be contiguous float32 [{num_src}, {k}], got "
+                         f"{sums.dtype} {list(sums.shape)}")
+    return sums
 
 
 def _reduces_in_half(grad_out: Tensor, indices: Tensor) -> bool:
