@@ -625,7 +625,7 @@ class CSRGraph:
             if hit is not None:
                 return hit
         if root_loops:
-            adj = _with_root_loops(adj, size, edge_weight, normalization)
+            adj = with_root_loops(adj, size, edge_weight, normalization)
         graph = _build(adj, size, edge_weight, normalization,
                        use_sparse_tensor_values, gcn_improved,
                        gcn_add_self_loops, dtype)
@@ -637,8 +637,8 @@ class CSRGraph:
         return graph
 
 
-def _with_root_loops(adj: Any, size, edge_weight: Optional[Tensor], normalization: str
-                     ) -> Tensor:
+def with_root_loops(adj: Any, size, edge_weight: Optional[Tensor], normalization: str
+                    ) -> Tensor:
     """``adj`` (an ``edge_index``) with one edge ``i -> i`` per node appended:
     the stable sort by target puts each after the node's own edges, so that
     a row sums its neighbours, then the node itself (the order of
@@ -650,8 +650,10 @@ def _with_root_loops(adj: Any, size, edge_weight: Optional[Tensor], normalizatio
     if size is None or size[0] is None or size[0] != size[1]:
         raise ValueError(f"root_loops needs a square adjacency, got size={size}")
     check_edge_index(adj)
-    from torch_geometric.utils import add_self_loops  # appends; keeps existing loops
-    return add_self_loops(plain(adj), num_nodes=int(size[0]))[0]
+    edges = plain(adj)
+    n = int(size[0])  # existing loops stay, as PyG's add_self_loops keeps them
+    loops = torch.arange(n, dtype=edges.dtype, device=edges.device).expand(2, n)
+    return torch.cat([edges, loops], dim=1)
 
 
 def _simulated_kernels() -> bool:
