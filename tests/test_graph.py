@@ -398,31 +398,25 @@ def test_gcn_norm_of_an_edge_list_is_pygs(weighted, improved, self_loops):
 
 
 # ------------------------------------------------------ edge-list graphs
-def _edge_list_case(normalization, weighted, seed=0, root_loops=False):
+def _edge_list_case(normalization, weighted, seed=0):
     from pyg_maxk.graph import EdgeListGraph
     ei = random_edge_index(12, 12, 60, seed=seed)
     ei = ei[:, torch.randperm(60, generator=torch.Generator().manual_seed(seed))].to(DEVICE)
     w = torch.rand(60).to(DEVICE) + 0.1 if weighted else None
     return (EdgeListGraph.from_edge_index(ei, (12, 12), edge_weight=w,
-                                          normalization=normalization, root_loops=root_loops),
+                                          normalization=normalization),
             CSRGraph.from_adj(ei, (12, 12), edge_weight=w, normalization=normalization,
-                              cache=False, root_loops=root_loops))
+                              cache=False))
 
 
 @pytest.mark.parametrize("backend", ["torch", "numba" if ON_GPU else "cpu"])
-@pytest.mark.parametrize("normalization,weighted,root_loops", [
-    ("mean", False, False), ("mean", True, False), ("sum", True, False), ("gcn", False, False),
-    ("sum", False, True)])
-def test_an_edge_list_aggregates_as_its_csr_graph(backend, normalization, weighted,
-                                                   root_loops):
+@pytest.mark.parametrize("normalization,weighted", [("mean", False), ("mean", True),
+                                                    ("sum", True), ("gcn", False)])
+def test_an_edge_list_aggregates_as_its_csr_graph(backend, normalization, weighted):
     # Every backend takes an edge list (the torch and cpu backends in
-    # torch's index ops), forward, backward and the fused features' gradient;
-    # GIN's root loops end the list as they end each row of the CSR graph.
+    # torch's index ops), forward, backward and the fused features' gradient.
     from helpers import check_kernels
-    graph, csr = _edge_list_case(normalization, weighted, root_loops=root_loops)
-    assert graph.root_loops == csr.root_loops == root_loops
-    if root_loops:
-        assert graph.num_edges == csr.num_edges == 60 + 12
+    graph, csr = _edge_list_case(normalization, weighted)
     check_kernels(graph, dim=16, k=4, reference=csr, backend=backend)
     x = torch.randn(12, 16, dtype=torch.float32, device=DEVICE)
     results = []
@@ -466,46 +460,4 @@ def test_a_layer_takes_a_new_edge_index_as_its_edge_list_until_it_comes_back(mon
     assert kind_and_check(ei.clone()) is EdgeListGraph
     ei[0, 0] = (ei[0, 0] + 1) % 12  # edited in place: a new graph
     assert kind_and_check(ei) is EdgeListGraph
-    pyg_maxk.clear_graph_cache()
-
-
-def test_gin_takes_a_new_edge_index_as_its_edge_list_with_root_loops(monkeypatch):
-    # At a fixed eps = 0 a GIN conv folds its root term into the edge list
-    # of a new edge_index (one loop per node), then into its CSR graph; with
-    # eps != 0 neither holds loops. Stock's result, forward and gradients.
-    from torch_geometric.nn import GINConv
-
-    from helpers import dense_maxk, gin_mlp
-    from pyg_maxk.graph import CSR_AFTER_HITS, EdgeListGraph, edge_list
-    from pyg_maxk.nn import MaxKGINConv
-    monkeypatch.setattr(edge_list, "takes_edge_list", lambda *args: True)
-    pyg_maxk.clear_graph_cache()
-    ours, stock = MaxKGINConv(gin_mlp(), k=4), GINConv(gin_mlp())
-    ours.load_state_dict(stock.state_dict())
-    x = torch.randn(12, 24)
-    ei = random_edge_index(12, 12, 50, seed=3)
-
-    def graph_and_check(edge_index):
-        graph = ours.graph_for(edge_index, x, x)
-        x_ours, x_stock = x.clone().requires_grad_(), x.clone().requires_grad_()
-        with pyg_maxk.use_backend("torch"):
-            out = ours(x_ours, edge_index)
-            ref = stock(dense_maxk(x_stock, 4), edge_index)
-            torch.testing.assert_close(out, ref)
-            out.square().sum().backward()
-        ref.square().sum().backward()
-        torch.testing.assert_close(x_ours.grad, x_stock.grad)
-        return graph
-
-    first = graph_and_check(ei.clone())
-    assert isinstance(first, EdgeListGraph) and first.root_loops
-    assert first.num_edges == 50 + 12
-    graphs = [graph_and_check(ei) for _ in range(CSR_AFTER_HITS + 1)]
-    assert all(g.root_loops for g in graphs)
-    assert isinstance(graphs[0], EdgeListGraph) and isinstance(graphs[-1], CSRGraph)
-    with torch.no_grad():
-        ours.eps.fill_(0.25)
-        stock.eps.fill_(0.25)
-    edge_list_graph = graph_and_check(ei.clone())
-    assert isinstance(edge_list_graph, EdgeListGraph) and not edge_list_graph.root_loops
     pyg_maxk.clear_graph_cache()

@@ -625,7 +625,7 @@ class CSRGraph:
             if hit is not None:
                 return hit
         if root_loops:
-            adj = with_root_loops(adj, size, edge_weight, normalization)
+            adj = _with_root_loops(adj, size, edge_weight, normalization)
         graph = _build(adj, size, edge_weight, normalization,
                        use_sparse_tensor_values, gcn_improved,
                        gcn_add_self_loops, dtype)
@@ -637,8 +637,8 @@ class CSRGraph:
         return graph
 
 
-def with_root_loops(adj: Any, size, edge_weight: Optional[Tensor], normalization: str
-                    ) -> Tensor:
+def _with_root_loops(adj: Any, size, edge_weight: Optional[Tensor], normalization: str
+                     ) -> Tensor:
     """``adj`` (an ``edge_index``) with one edge ``i -> i`` per node appended:
     the stable sort by target puts each after the node's own edges, so that
     a row sums its neighbours, then the node itself (the order of

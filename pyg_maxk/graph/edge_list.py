@@ -65,9 +65,6 @@ class EdgeListGraph:
             values), as :class:`CSRGraph`'s.
         edge_index (torch.Tensor): the ``edge_index`` this is the graph of
             (with ``csr_options``, what :meth:`csr` builds from).
-        root_loops (bool): whether ``src``/``dst`` end with one edge ``i -> i``
-            per node (GIN's root term at ``eps = 0``, as
-            :attr:`CSRGraph.root_loops`).
 
     Layers build one through :func:`edge_list_graph`; it serves the
     aggregation ops as a :class:`CSRGraph` does (:meth:`operands`, the same
@@ -76,11 +73,11 @@ class EdgeListGraph:
 
     def __init__(self, src: Tensor, dst: Tensor, weight: Optional[Tensor],
                  size: Tuple[int, int], normalization: str, row_scale: Optional[Tensor],
-                 edge_index: Tensor, csr_options: dict, root_loops: bool = False) -> None:
+                 edge_index: Tensor, csr_options: dict) -> None:
         self.num_src, self.num_dst = int(size[0]), int(size[1])
         self.normalization = normalization
         self.gcn_options: Optional[Tuple[bool, bool]] = None
-        self.root_loops = root_loops
+        self.root_loops = False  # never built with GIN's root loops (edge_list_graph)
         self._edge_index, self._csr_options = edge_index, csr_options
         self._csr = None
         self._cache_hits = 0
@@ -92,11 +89,10 @@ class EdgeListGraph:
     @classmethod
     def from_edge_index(cls, edge_index: Tensor, size: Tuple[int, int], *,
                         edge_weight: Optional[Tensor] = None, normalization: str = "sum",
-                        gcn_improved: bool = False, gcn_add_self_loops: bool = True,
-                        root_loops: bool = False) -> "EdgeListGraph":
+                        gcn_improved: bool = False, gcn_add_self_loops: bool = True
+                        ) -> "EdgeListGraph":
         """The graph of ``edge_index`` ``[2, E]`` (any order) with
-        :meth:`CSRGraph.from_adj`'s options, its values in float32 (with
-        ``root_loops``, one more edge ``i -> i`` per node at the end). The
+        :meth:`CSRGraph.from_adj`'s options, its values in float32. The
         range check runs on the device, without a host sync: an index out
         of range is a device-side assert, as in PyG's own index ops."""
         check_edge_index(edge_index)
@@ -104,9 +100,6 @@ class EdgeListGraph:
         num_src, num_dst = int(size[0]), int(size[1])
         value = edge_weight
         edges = plain(edge_index)
-        if root_loops:
-            from .csr import with_root_loops
-            edges = with_root_loops(edges, size, edge_weight, normalization)
         if normalization == "gcn":
             from .csr import gcn_norm_of_edge_list
             if num_src != num_dst:
@@ -120,10 +113,9 @@ class EdgeListGraph:
                                        normalization == "mean")
         torch._assert_async(ok, "edge_index holds a node index outside [0, num_nodes)")
         options = dict(edge_weight=edge_weight, normalization=normalization,
-                       gcn_improved=gcn_improved, gcn_add_self_loops=gcn_add_self_loops,
-                       root_loops=root_loops)
+                       gcn_improved=gcn_improved, gcn_add_self_loops=gcn_add_self_loops)
         graph = cls(src, dst, weight, (num_src, num_dst), normalization, row_scale,
-                    edge_index, options, root_loops)
+                    edge_index, options)
         if normalization == "gcn":
             graph.gcn_options = (bool(gcn_improved), bool(gcn_add_self_loops))
         return graph
@@ -198,15 +190,16 @@ def edge_list_graph(adj: Any, size: Tuple[int, int], *, edge_weight: Optional[Te
     its :class:`CSRGraph` serves instead: where :func:`takes_edge_list`
     does not hold, where the CSR graph is cached, and for an ``edge_index``
     seen :data:`CSR_AFTER_HITS` times (a fixed graph). With GIN's
-    ``root_loops`` the list ends with one edge ``i -> i`` per node, as the
-    CSR graph does."""
+    ``root_loops`` the edge list holds no loops (its conv adds the root term
+    itself): only a fixed graph's CSR is worth building with them."""
     if not takes_edge_list(adj, edge_weight, dtype):
         return None
     anchors, versions = fingerprint(adj, edge_weight)
     params = (normalization, use_sparse_tensor_values, gcn_improved, gcn_add_self_loops,
-              dtype, tuple(size), root_loops)  # CSRGraph.from_adj's key
-    if _CACHE.holds(anchors, versions, params):
+              dtype, tuple(size))  # CSRGraph.from_adj's key, without root loops
+    if _CACHE.holds(anchors, versions, params + (root_loops,)):
         return None
+    params += (False,)
     graph = _EDGE_LISTS.get(anchors, versions, params)
     if graph is not None:
         if graph._cache_hits < CSR_AFTER_HITS:
@@ -216,8 +209,7 @@ def edge_list_graph(adj: Any, size: Tuple[int, int], *, edge_weight: Optional[Te
     graph = EdgeListGraph.from_edge_index(adj, size, edge_weight=edge_weight,
                                           normalization=normalization,
                                           gcn_improved=gcn_improved,
-                                          gcn_add_self_loops=gcn_add_self_loops,
-                                          root_loops=root_loops)
+                                          gcn_add_self_loops=gcn_add_self_loops)
     _EDGE_LISTS.put(anchors, versions, params, graph)
     return graph
 

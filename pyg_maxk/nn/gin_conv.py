@@ -9,7 +9,7 @@ from torch_geometric.nn.inits import reset
 from torch_geometric.typing import Adj, Size
 
 from ..dispatch import dense_root_pays, root_loops_pay
-from ..graph import CSRGraph, EdgeListGraph, is_torch_sparse
+from ..graph import CSRGraph, is_torch_sparse
 from .conv_base import Features, MaxKConv, PairFeatures
 
 #: Host copies of CUDA tensors' values (:func:`host_value`), by ``id``:
@@ -68,11 +68,11 @@ class MaxKGINConv(MaxKConv):
     elsewhere it is scattered from the CBSR values straight into the
     aggregate, never densified. Where
     :func:`~pyg_maxk.dispatch.root_loops_pay` and :math:`\epsilon = 0` is
-    fixed, it is one more edge :math:`i \to i` per node of the graph built
-    from an ``edge_index`` instead (its CSR graph or, a new graph per batch
-    on a GPU, its edge list): one sum, no root term at all. A GPU's
-    :math:`\epsilon` is read without a host sync (:func:`host_value`) and
-    checked on the device.
+    fixed, it is one more edge :math:`i \to i` per node of the CSR graph
+    built from an ``edge_index`` instead (one sum, no root term at all; on a
+    GPU, once the ``edge_index`` counts as a fixed graph: a new graph per
+    batch is aggregated as its edge list). A GPU's :math:`\epsilon` is read
+    without a host sync (:func:`host_value`) and checked on the device.
 
     Args:
         nn (torch.nn.Module): the network :math:`h_{\mathbf{\Theta}}`.
@@ -120,7 +120,7 @@ class MaxKGINConv(MaxKConv):
         compiled code, where :func:`~pyg_maxk.dispatch.root_loops_pay`."""
         if not (x_dst is x_src and isinstance(x_src, Tensor) and sizes[0] == sizes[1]):
             return {}
-        if isinstance(adj, (CSRGraph, EdgeListGraph)):
+        if isinstance(adj, CSRGraph):
             if not adj.root_loops:
                 return {}
         elif not isinstance(adj, Tensor) or is_torch_sparse(adj) or adj.dim() != 2:
@@ -130,7 +130,7 @@ class MaxKGINConv(MaxKConv):
                 or torch.is_autocast_enabled(x_src.device.type) or not root_loops_pay(x_src)):
             return {}
         value = host_value(eps)
-        if value is None and isinstance(adj, (CSRGraph, EdgeListGraph)):
+        if value is None and isinstance(adj, CSRGraph):
             value = 0.0  # a graph built with the loops: the forward checks eps on the device
         if value != 0.0:
             return {}
