@@ -778,10 +778,15 @@ def test_launches_read_each_calls_tensors_whatever_changes():
     check(features(), 4, CSRGraph.from_adj(longer[:, 40:], (12, 12), normalization="mean"))
     check(features(), 3, graph)                               # another k
     check(features(dtype=torch.bfloat16), 4, graph)           # another dtype
-    for edges in (ei, edited):                                # edge lists
+    for edges in (ei, edited, ei.clone()):                    # edge lists
         edge_list = EdgeListGraph.from_edge_index(edges, (12, 12), normalization="mean")
         check(features(), 4, edge_list)
         check(features(dtype=torch.bfloat16), 4, edge_list)
+    if numba_ops.launcher()._driver is not None:  # one size's edge lists share their launches
+        prepared = {key[0] for key, p in numba_ops._PLANS.items()
+                    if isinstance(p, PreparedLaunch)}
+        assert {"edge_list_check", "edge_list_scale", "edge_list_spgemm",
+                "edge_list_sspmm"} <= prepared
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):                             # torch's current stream

@@ -20,7 +20,7 @@ the same kernels on CPU tensors.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -403,9 +403,9 @@ def edge_list_values(src: Tensor, dst: Tensor, value: Optional[Tensor], num_src:
     degree = (torch.zeros(num_dst, dtype=torch.int32, device=device) if mean
               else torch.empty(1, dtype=torch.int32, device=device))
     if num_edges > 0:
-        run, threads, blocks = _flat_launch(num_edges, device)
-        run(edge_list_check_kernel(mean), blocks, threads, device, src, dst, num_src, num_dst,
-            num_edges, degree, ok)
+        _flat_launch_of_kind(("edge_list_check", mean), lambda: edge_list_check_kernel(mean),
+                             num_edges, device, (src, dst, num_src, num_dst, num_edges, degree,
+                                                 ok), (0, 1, 5, 6))
     if not mean:
         weight = None if value is None else value.detach().to(KERNEL_DTYPE).contiguous()
         return weight, None, ok
@@ -414,10 +414,12 @@ def edge_list_values(src: Tensor, dst: Tensor, value: Optional[Tensor], num_src:
                  else None)
     work = max(num_edges, num_dst)
     if work > 0:
-        run, threads, blocks = _flat_launch(work, device)
         source = weight if value is None else value.detach().to(KERNEL_DTYPE).contiguous()
-        run(edge_list_scale_kernel(value is not None), blocks, threads, device, dst, source,
-            degree, num_dst, num_edges, weight, _or_unread(row_scale, _stand_in(device)))
+        has_value = value is not None
+        _flat_launch_of_kind(("edge_list_scale", has_value),
+                             lambda: edge_list_scale_kernel(has_value), work, device,
+                             (dst, source, degree, num_dst, num_edges, weight,
+                              _or_unread(row_scale, _stand_in(device))), (0, 1, 2, 5, 6))
     return weight, row_scale, ok
 
 
@@ -427,6 +429,28 @@ def _flat_launch(work: int, device: torch.device):
     run = launcher()
     threads = geometry.block_threads()
     return run, threads, min(-(-work // threads), run.max_blocks(device, threads))
+
+
+def _flat_launch_of_kind(kind: tuple, kernel_of: Callable[[], Any], work: int,
+                         device: torch.device, args: tuple, variable: Tuple[int, ...]) -> None:
+    """The grid-stride launch of ``kernel_of()`` (``kind``: its name, then
+    its flags) over ``work`` threads' worth of work on ``args`` (one-dimensional
+    contiguous tensors and ints), prepared from the second call whose
+    tensors have the same shapes and types and whose ints are the same:
+    later such calls patch the data pointers of every tensor at ``variable``
+    (positions in ``args``, every tensor). So a new graph of one size per
+    step (a graph used once: an edge list) launches as a fixed graph's ops
+    do, without the full path's per-field packing."""
+    key = (*kind, device, work, *[(a.dtype, a.shape) if isinstance(a, Tensor) else a
+                                  for a in args])
+    launch = _prepared(_PLANS, key)
+    if launch is not None:
+        launch(*[args[i] for i in variable])
+        return
+    run, threads, blocks = _flat_launch(work, device)
+    kernel = kernel_of()
+    run(kernel, blocks, threads, device, *args)
+    _remember(_PLANS, key, lambda: run.prepare(kernel, blocks, threads, device, args, variable))
 
 
 def _stand_in(device: torch.device) -> Tensor:
@@ -446,12 +470,14 @@ def _edge_list_spgemm(g: GraphOperands, values: Tensor, indices: Tensor, num_dst
     k = values.size(1)
     slots = g.col.numel() * k
     if slots > 0:
-        run, threads, blocks = _flat_launch(slots, values.device)
-        kernel = edge_list_spgemm_kernel(k, weight is not None, row_scale is not None)
-        flat_out, unread = out.view(-1), _stand_in(values.device)
-        run(kernel, blocks, threads, values.device, g.col, g.row, _or_unread(weight, unread),
-            _or_unread(row_scale, unread), as_dtype(values, KERNEL_DTYPE).contiguous().view(-1),
-            indices.contiguous().view(-1), flat_out, dim, slots)
+        flags = (k, weight is not None, row_scale is not None)
+        unread = _stand_in(values.device)
+        args = (g.col, g.row, _or_unread(weight, unread), _or_unread(row_scale, unread),
+                as_dtype(values, KERNEL_DTYPE).contiguous().view(-1),
+                indices.contiguous().view(-1), out.view(-1), dim, slots)
+        _flat_launch_of_kind(("edge_list_spgemm", *flags),
+                             lambda: edge_list_spgemm_kernel(*flags), slots, values.device, args,
+                             tuple(range(7)))
     return as_dtype(out, spgemm_dtype(values, g))
 
 
@@ -464,14 +490,15 @@ def _edge_list_sspmm(g: GraphOperands, indices: Tensor, grad_out: Tensor,
     grad_values = _zeroed_sums(sums, num_src, k, grad_out.device)
     slots = g.col.numel() * k
     if slots > 0:
-        run, threads, blocks = _flat_launch(slots, grad_out.device)
-        kernel = edge_list_sspmm_kernel(k, weight is not None, row_scale is not None)
-        flat_grad, unread = grad_values.view(-1), _stand_in(grad_out.device)
-        run(kernel, blocks, threads, grad_out.device, g.col, g.row,
-            _or_unread(weight, unread), _or_unread(row_scale, unread),
-            indices.contiguous().view(-1),
-            as_dtype(grad_out, KERNEL_DTYPE).contiguous().view(-1), flat_grad,
-            grad_out.size(1), slots)
+        flags = (k, weight is not None, row_scale is not None)
+        unread = _stand_in(grad_out.device)
+        args = (g.col, g.row, _or_unread(weight, unread), _or_unread(row_scale, unread),
+                indices.contiguous().view(-1),
+                as_dtype(grad_out, KERNEL_DTYPE).contiguous().view(-1), grad_values.view(-1),
+                grad_out.size(1), slots)
+        _flat_launch_of_kind(("edge_list_sspmm", *flags),
+                             lambda: edge_list_sspmm_kernel(*flags), slots, grad_out.device,
+                             args, tuple(range(7)))
     return as_dtype(grad_values, grad_out.dtype)
 
 
