@@ -223,6 +223,46 @@ def test_a_launch_is_prepared_on_the_second_call_of_its_kind():
     assert None not in plans and made == [1]
 
 
+def test_edge_list_launches_of_one_kind_share_a_prepared_launch(monkeypatch):
+    # Keyed by the flags, the ints and the tensors' shapes and types: the
+    # second call of a kind prepares it, later calls of that kind patch every
+    # tensor given (fresh ones: a new graph of the same size) in order, and
+    # another size, int or flag takes the full path. A fake launcher, no GPU.
+    from pyg_maxk.ops import numba_ops
+
+    calls = []
+
+    class FakeLauncher:
+        def __call__(self, kernel, blocks, threads, device, *args):
+            calls.append(("full", kernel, args))
+
+        def prepare(self, kernel, blocks, threads, device, args, variable):
+            return lambda *tensors: calls.append(("prepared", kernel, tensors))
+
+        def max_blocks(self, device, threads):
+            return 4
+
+    monkeypatch.setattr(numba_ops, "launcher", FakeLauncher)
+    monkeypatch.setattr(numba_ops, "_PLANS", {})
+    device = torch.device("cpu")
+
+    def launch(kind, n=5, extra=3, dtype=torch.float32):
+        a, b = torch.zeros(n, dtype=dtype), torch.zeros(n, dtype=torch.int32)
+        numba_ops._flat_launch_of_kind(kind, lambda: kind, n, device, (a, extra, b), (0, 2))
+        return a, b
+
+    for _ in range(2):
+        launch(("k", True))
+    a, b = launch(("k", True))
+    assert [c[0] for c in calls] == ["full", "full", "prepared"]
+    assert calls[-1][2][0] is a and calls[-1][2][1] is b
+    for changed in (dict(n=6), dict(extra=4), dict(dtype=torch.float64)):
+        launch(("k", True), **changed)
+        assert calls[-1][0] == "full", changed
+    launch(("k", False))
+    assert calls[-1][0] == "full" and calls[-1][1] == ("k", False)
+
+
 def test_bindings_launch_hands_the_packed_buffer_to_the_driver():
     # Through cuda.bindings: the kernel's CUfunction, the stream wrapped as a
     # CUstream, no kernelParams, and the address of the packed buffer's
