@@ -77,6 +77,39 @@ def test_aggregation_kernels_write_every_entry():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("with_scale,with_dense", [(False, False), (True, True), (False, True)])
+def test_fused_forward_kernel_against_float64(dtype, with_scale, with_dense):
+    # maxk_aggregate_rows (select, dropout scale, dense form, aggregation in
+    # one call) writes every entry of its poisoned outputs: the selection
+    # torch.topk keeps, the scaled values, and their sums over a weighted
+    # graph of more sources than targets (rows without edges included).
+    from pyg_maxk.kernels import cpu
+    ei = random_edge_index(14, 10, 12, seed=6)
+    graph = CSRGraph.from_adj(ei, (14, 10), edge_weight=torch.rand(12) + 0.1,
+                              normalization="sum", dtype=dtype)
+    ops = unpack(*graph.operands(5))
+    assert bool((ops.rowptr[1:] == ops.rowptr[:-1]).any())
+    x = random_features(14, 24, dtype=dtype, seed=2)
+    scale = (torch.rand(14, 5, generator=torch.Generator().manual_seed(3)) < 0.6).to(dtype) / 0.6
+    values = torch.full((14, 5), float("nan"), dtype=dtype)
+    indices = torch.full((14, 5), -1, dtype=pyg_maxk.index_dtype_for(24))
+    dense = torch.full((14, 24), float("nan"), dtype=dtype)
+    out = torch.full((10, 24), float("nan"), dtype=dtype)
+    cpu.maxk_aggregate_rows(x.numpy(), 5, scale.numpy(), with_scale, values.numpy(),
+                            indices.numpy(), dense.numpy(), with_dense, ops.rowptr.numpy(),
+                            ops.col.numpy(), ops.weight.numpy(), True, out.numpy())
+    h = CBSR(values, indices, 24)
+    assert_same_selection(CBSR(x.gather(1, indices.long()), indices, 24), x, 5)
+    expected_values = x.gather(1, indices.long()) * (scale if with_scale else 1)
+    torch.testing.assert_close(values, expected_values, rtol=0, atol=0)
+    if with_dense:
+        torch.testing.assert_close(dense, h.to_dense(), rtol=0, atol=0)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else {}
+    expected = torch.sparse.mm(graph.torch_csr(torch.float64), h.to_dense().double())
+    torch.testing.assert_close(out.double(), expected, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("normalization", ["sum", "gcn"])
 @pytest.mark.parametrize("given", ["agg", "agg,values,dense", "values", "dense", "agg,dense",
                                    "agg,values,dense,scale"])

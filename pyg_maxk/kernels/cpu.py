@@ -379,6 +379,41 @@ def densify_rows(values, indices, out):
 
 @keyed_files
 @njit(parallel=True, cache=True)
+def scale_and_densify_rows(values, scale, has_scale, indices, dense, has_dense):
+    """``values *= scale`` (``has_scale``: the dropout of the kept values)
+    and, where ``has_dense``, ``dense[N, dim]`` the dense form of the scaled
+    CBSR, in one pass per row."""
+    k = values.shape[1]
+    for r in prange(values.shape[0]):
+        if has_scale:
+            for j in range(k):
+                values[r, j] *= scale[r, j]
+        if has_dense:
+            row = dense[r]
+            row[:] = 0
+            for j in range(k):
+                row[indices[r, j]] = values[r, j]
+
+
+@keyed_files
+@njit(cache=True)
+def maxk_aggregate_rows(x, k, scale, has_scale, values, indices, dense, has_dense, rowptr, col,
+                        weight, weighted, out):
+    """MaxK of ``x[N, dim]`` into the CBSR ``(values, indices)`` (``k <
+    dim``), times the dropout ``scale[N, k]`` where ``has_scale``, its dense
+    form into ``dense`` where ``has_dense``, and its aggregation over the CSR
+    graph ``(rowptr, col, weight)`` into ``out[num_dst, dim]``: what
+    :func:`select_rows`, :func:`scale_and_densify_rows` and
+    :func:`spgemm_rows` compute, in one call from Python (each step is a
+    parallel loop over rows; the aggregation reads every row's selection)."""
+    select_rows(x, k, values, indices)
+    if has_scale or has_dense:
+        scale_and_densify_rows(values, scale, has_scale, indices, dense, has_dense)
+    spgemm_rows(rowptr, col, weight, weighted, values, indices, out)
+
+
+@keyed_files
+@njit(parallel=True, cache=True)
 def gather_rows(dense, indices, out):
     """``out[r, j] = dense[r, indices[r, j]]``: ``dense`` at the CBSR pattern,
     read with the indices as stored (no int64 copy)."""

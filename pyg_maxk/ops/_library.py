@@ -407,17 +407,11 @@ def _family_forward(kernels: str, g, x: Tensor, k: int, num_dst: int, with_dense
     one kernel family: the Numba kernels' select launch also takes the
     dropout, the dense form, the aggregation's zero-fill and that of the
     backward's ``sums`` where given
-    (:func:`~pyg_maxk.ops.numba_ops.maxk_aggregate`); the CPU kernels' steps
-    run one after the other."""
+    (:func:`~pyg_maxk.ops.numba_ops.maxk_aggregate`); the CPU kernels' in
+    one call (:func:`~pyg_maxk.ops.cpu_ops.maxk_aggregate`)."""
     if kernels == "numba":
         return _module("numba").maxk_aggregate(g, x, k, num_dst, with_dense, scale, sums)
-    cpu = _module("cpu")
-    values, indices = cpu.maxk_select(x, k)
-    if scale is not None:  # dropout on the kept values (values is fresh)
-        values = values.mul_(scale)
-    agg = cpu.spgemm(g, values, indices, num_dst, x.size(1))
-    dense = cpu.cbsr_to_dense(values, indices, x.size(1)) if with_dense else None
-    return agg, values, indices, dense
+    return _module("cpu").maxk_aggregate(g, x, k, num_dst, with_dense, scale)
 
 
 def _family_input_grad(kernels: str, g, indices: Tensor, grad_agg: Optional[Tensor],

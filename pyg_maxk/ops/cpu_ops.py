@@ -89,6 +89,34 @@ def spgemm(g: GraphOperands, values: Tensor, indices: Tensor, num_dst: int,
     return as_dtype(out, spgemm_dtype(values, g))
 
 
+def maxk_aggregate(g: GraphOperands, x: Tensor, k: int, num_dst: int, with_dense: bool,
+                   scale: Optional[Tensor] = None
+                   ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """``(agg, values, indices, dense or None)``: :func:`maxk_select` of
+    ``x [N, dim]`` (``k < dim``, ``N > 0``), times the dropout ``scale [N,
+    k]`` where given, :func:`spgemm` of it over ``g`` and, with
+    ``with_dense``, its :func:`cbsr_to_dense`, in one kernel call
+    (``kernels.maxk_aggregate_rows``)."""
+    if g.row is not None:  # an edge list: the steps one by one
+        values, indices = maxk_select(x, k)
+        if scale is not None:
+            values = values.mul_(scale)
+        dense = cbsr_to_dense(values, indices, x.size(1)) if with_dense else None
+        return spgemm(g, values, indices, num_dst, x.size(1)), values, indices, dense
+    n, dim = x.shape
+    x = x.detach().contiguous()
+    values = x.new_empty(n, k)                                        # [N, k]
+    indices = torch.empty(n, k, dtype=index_dtype_for(dim))           # [N, k]
+    dense = x.new_empty(n, dim) if with_dense else None               # [N, dim]
+    out = x.new_empty(num_dst, dim)                                   # [num_dst, dim]
+    weight, weighted = _weight(g.weight, x.dtype, x)
+    kernels.maxk_aggregate_rows(x.numpy(), k, _given(scale, x.dtype, x), scale is not None,
+                                values.numpy(), indices.numpy(), _given(dense, x.dtype, x),
+                                with_dense, g.rowptr.numpy(), g.col.numpy(), weight, weighted,
+                                out.numpy())
+    return as_dtype(out, spgemm_dtype(values, g)), values, indices, dense
+
+
 def sspmm(g: GraphOperands, indices: Tensor, grad_out: Tensor, num_src: int) -> Tensor:
     """The gradient ``[num_src, k]`` of :func:`spgemm` w.r.t. the CBSR values,
     one thread per source row of the transposed graph (no atomics)."""
