@@ -248,7 +248,7 @@ def test_edge_list_launches_of_one_kind_share_a_prepared_launch(monkeypatch):
 
     def launch(kind, n=5, extra=3, dtype=torch.float32):
         a, b = torch.zeros(n, dtype=dtype), torch.zeros(n, dtype=torch.int32)
-        numba_ops._flat_launch_of_kind(kind, lambda: kind, n, device, (a, extra, b), (0, 2))
+        numba_ops._flat_launch_of_kind(kind, lambda: kind, n, device, (a, extra, b))
         return a, b
 
     for _ in range(2):

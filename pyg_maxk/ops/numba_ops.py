@@ -405,7 +405,7 @@ def edge_list_values(src: Tensor, dst: Tensor, value: Optional[Tensor], num_src:
     if num_edges > 0:
         _flat_launch_of_kind(("edge_list_check", mean), lambda: edge_list_check_kernel(mean),
                              num_edges, device, (src, dst, num_src, num_dst, num_edges, degree,
-                                                 ok), (0, 1, 5, 6))
+                                                 ok))
     if not mean:
         weight = None if value is None else value.detach().to(KERNEL_DTYPE).contiguous()
         return weight, None, ok
@@ -419,7 +419,7 @@ def edge_list_values(src: Tensor, dst: Tensor, value: Optional[Tensor], num_src:
         _flat_launch_of_kind(("edge_list_scale", has_value),
                              lambda: edge_list_scale_kernel(has_value), work, device,
                              (dst, source, degree, num_dst, num_edges, weight,
-                              _or_unread(row_scale, _stand_in(device))), (0, 1, 2, 5, 6))
+                              _or_unread(row_scale, _stand_in(device))))
     return weight, row_scale, ok
 
 
@@ -432,17 +432,18 @@ def _flat_launch(work: int, device: torch.device):
 
 
 def _flat_launch_of_kind(kind: tuple, kernel_of: Callable[[], Any], work: int,
-                         device: torch.device, args: tuple, variable: Tuple[int, ...]) -> None:
+                         device: torch.device, args: tuple) -> None:
     """The grid-stride launch of ``kernel_of()`` (``kind``: its name, then
     its flags) over ``work`` threads' worth of work on ``args`` (one-dimensional
     contiguous tensors and ints), prepared from the second call whose
     tensors have the same shapes and types and whose ints are the same:
-    later such calls patch the data pointers of every tensor at ``variable``
-    (positions in ``args``, every tensor). So a new graph of one size per
+    later such calls patch the data pointers of every tensor in ``args``.
+    So a new graph of one size per
     step (a graph used once: an edge list) launches as a fixed graph's ops
     do, without the full path's per-field packing."""
     key = (*kind, device, work, *[(a.dtype, a.shape) if isinstance(a, Tensor) else a
                                   for a in args])
+    variable = tuple(i for i, a in enumerate(args) if isinstance(a, Tensor))
     launch = _prepared(_PLANS, key)
     if launch is not None:
         launch(*[args[i] for i in variable])
@@ -476,8 +477,7 @@ def _edge_list_spgemm(g: GraphOperands, values: Tensor, indices: Tensor, num_dst
                 as_dtype(values, KERNEL_DTYPE).contiguous().view(-1),
                 indices.contiguous().view(-1), out.view(-1), dim, slots)
         _flat_launch_of_kind(("edge_list_spgemm", *flags),
-                             lambda: edge_list_spgemm_kernel(*flags), slots, values.device, args,
-                             tuple(range(7)))
+                             lambda: edge_list_spgemm_kernel(*flags), slots, values.device, args)
     return as_dtype(out, spgemm_dtype(values, g))
 
 
@@ -498,7 +498,7 @@ def _edge_list_sspmm(g: GraphOperands, indices: Tensor, grad_out: Tensor,
                 grad_out.size(1), slots)
         _flat_launch_of_kind(("edge_list_sspmm", *flags),
                              lambda: edge_list_sspmm_kernel(*flags), slots, grad_out.device,
-                             args, tuple(range(7)))
+                             args)
     return as_dtype(grad_values, grad_out.dtype)
 
 
