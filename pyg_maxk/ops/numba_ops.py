@@ -437,10 +437,10 @@ def _flat_launch_of_kind(kind: tuple, kernel_of: Callable[[], Any], work: int,
     its flags) over ``work`` threads' worth of work on ``args`` (one-dimensional
     contiguous tensors and ints), prepared from the second call whose
     tensors have the same shapes and types and whose ints are the same:
-    later such calls patch the data pointers of every tensor in ``args``.
-    So a new graph of one size per
-    step (a graph used once: an edge list) launches as a fixed graph's ops
-    do, without the full path's per-field packing."""
+    later such calls patch the data pointers of every tensor in ``args``. So
+    a new graph of one size per step (a graph used once: an edge list)
+    launches as a fixed graph's ops do, without the full path's per-field
+    packing."""
     key = (*kind, device, work, *[(a.dtype, a.shape) if isinstance(a, Tensor) else a
                                   for a in args])
     variable = tuple(i for i, a in enumerate(args) if isinstance(a, Tensor))
