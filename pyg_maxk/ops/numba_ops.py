@@ -443,15 +443,16 @@ def _flat_launch_of_kind(kind: tuple, kernel_of: Callable[[], Any], work: int,
     packing."""
     key = (*kind, device, work, *[(a.dtype, a.shape) if isinstance(a, Tensor) else a
                                   for a in args])
-    variable = tuple(i for i, a in enumerate(args) if isinstance(a, Tensor))
     launch = _prepared(_PLANS, key)
     if launch is not None:
-        launch(*[args[i] for i in variable])
+        launch(*[a for a in args if isinstance(a, Tensor)])
         return
     run, threads, blocks = _flat_launch(work, device)
     kernel = kernel_of()
     run(kernel, blocks, threads, device, *args)
-    _remember(_PLANS, key, lambda: run.prepare(kernel, blocks, threads, device, args, variable))
+    _remember(_PLANS, key, lambda: run.prepare(
+        kernel, blocks, threads, device, args,
+        [i for i, a in enumerate(args) if isinstance(a, Tensor)]))
 
 
 def _stand_in(device: torch.device) -> Tensor:
