@@ -617,9 +617,8 @@ class CSRGraph:
             return graph_with_edge_values(adj, size, edge_weight, None, normalization,
                                           gcn_improved, gcn_add_self_loops, dtype)
         anchors, versions = fingerprint(adj, edge_weight)
-        params = (normalization, use_sparse_tensor_values, gcn_improved,
-                  gcn_add_self_loops, dtype, tuple(size) if size is not None else None,
-                  root_loops)
+        params = _cache_params(normalization, use_sparse_tensor_values, gcn_improved,
+                               gcn_add_self_loops, dtype, size, root_loops)
         if cache:
             hit = _CACHE.get(anchors, versions, params)
             if hit is not None:
@@ -635,6 +634,32 @@ class CSRGraph:
         if cache:
             _CACHE.put(anchors, versions, params, graph)
         return graph
+
+
+    @classmethod
+    def cached(cls, adj: Any, size: Optional[Tuple[Optional[int], Optional[int]]] = None, *,
+               edge_weight: Optional[Tensor] = None, normalization: str = "sum",
+               use_sparse_tensor_values: bool = True, gcn_improved: bool = False,
+               gcn_add_self_loops: bool = True, dtype: torch.dtype = torch.float32,
+               root_loops: bool = False) -> Optional["CSRGraph"]:
+        """The graph :meth:`from_adj` would return from the cache for these
+        arguments (a hit, counted as one), or None where it would build one:
+        a fixed graph's lookup without the checks of a first call."""
+        if not (isinstance(adj, Tensor) or is_sparse_tensor(adj)) or (
+                edge_weight is not None and edge_weight.requires_grad
+                and torch.is_grad_enabled()):
+            return None
+        anchors, versions = fingerprint(adj, edge_weight)
+        return _CACHE.get(anchors, versions, _cache_params(
+            normalization, use_sparse_tensor_values, gcn_improved, gcn_add_self_loops, dtype,
+            size, root_loops))
+
+
+def _cache_params(normalization: str, use_sparse_tensor_values: bool, gcn_improved: bool,
+                  gcn_add_self_loops: bool, dtype: torch.dtype, size, root_loops: bool) -> tuple:
+    """The part of a graph's cache key that is not its source objects."""
+    return (normalization, use_sparse_tensor_values, gcn_improved, gcn_add_self_loops, dtype,
+            tuple(size) if size is not None else None, root_loops)
 
 
 def _with_root_loops(adj: Any, size, edge_weight: Optional[Tensor], normalization: str

@@ -59,12 +59,14 @@ def _cached_graph(adj: Any, sizes: Tuple[int, int], k: Optional[int], **kwargs) 
     # graph's build has data-dependent sizes: both run outside any compiled
     # graph (_cached_graph_outside_compile). The graph's tensors then enter
     # the compiled code as inputs, so a new or edited adjacency is never
-    # replayed stale.
-    if k is not None:
-        edge_list = edge_list_graph(adj, sizes, **kwargs)
-        if edge_list is not None:
-            return edge_list
-    graph = CSRGraph.from_adj(adj, sizes, **kwargs)
+    # replayed stale. A fixed graph's CSR is cached: one lookup finds it.
+    graph = CSRGraph.cached(adj, sizes, **kwargs)
+    if graph is None:
+        if k is not None:
+            edge_list = edge_list_graph(adj, sizes, **kwargs)
+            if edge_list is not None:
+                return edge_list
+        graph = CSRGraph.from_adj(adj, sizes, **kwargs)
     if k is not None:
         graph.operands_without_sync(k)  # built here, not in the compiled graph
     return graph

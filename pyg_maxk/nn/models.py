@@ -104,9 +104,10 @@ class MaxKBasicGNN(torch.nn.Module):
             graph = self.convs[0].graph_for(
                 edge_index, x, x, edge_weight=edge_weight if self.supports_edge_weight else None)
             # A graph that holds GIN's root term serves convs that fold it.
+            # (Iterated, not sliced: a slice of a ModuleList builds a module.)
             if not graph.root_loops or all(
                     conv.adjacency_options(graph, x, x, (graph.num_src, graph.num_dst))
-                    for conv in self.convs[1:]):
+                    for i, conv in enumerate(self.convs) if i > 0):
                 edge_index, edge_weight = graph, None
         for layer, conv in enumerate(self.convs):
             if not self.is_maxk:  # the stock baseline: ReLU + dropout
