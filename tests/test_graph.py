@@ -72,6 +72,29 @@ def test_cache_reuses_and_never_goes_stale():
     torch.testing.assert_close(d.weight.sum(), 2 * c.weight.sum())
 
 
+def test_a_cache_lookup_finds_what_from_adj_would_reuse_and_builds_nothing():
+    pyg_maxk.clear_graph_cache()
+    ei = random_edge_index(8, 8, 20)
+    assert CSRGraph.cached(ei, (8, 8)) is None  # never built: no build here either
+    assert len(_CACHE) == 0
+    a = CSRGraph.from_adj(ei, (8, 8), normalization="mean")
+    hits = a._cache_hits
+    assert CSRGraph.cached(ei, (8, 8), normalization="mean") is a
+    assert a._cache_hits == hits + 1  # counted as from_adj's hit is
+    for other in ({"normalization": "sum"}, {"normalization": "mean", "root_loops": True}):
+        assert CSRGraph.cached(ei, (8, 8), **other) is None  # another key
+    assert CSRGraph.cached(ei, (8, 9), normalization="mean") is None
+    assert CSRGraph.cached(ei.clone(), (8, 8), normalization="mean") is None
+    assert CSRGraph.cached(a, (8, 8), normalization="mean") is None  # not an adjacency
+    w = torch.rand(20)
+    c = CSRGraph.from_adj(ei, (8, 8), edge_weight=w)
+    assert CSRGraph.cached(ei, (8, 8), edge_weight=w) is c
+    assert CSRGraph.cached(ei, (8, 8), edge_weight=w.requires_grad_()) is None  # per-call values
+    ei[0, 0] = (ei[0, 0] + 1) % 8  # an in-place edit: stale
+    assert CSRGraph.cached(ei, (8, 8), normalization="mean") is None
+    pyg_maxk.clear_graph_cache()
+
+
 def test_cache_entries_die_with_their_tensors():
     import gc
     live = random_edge_index(8, 8, 20, seed=0)
