@@ -39,6 +39,15 @@ def fingerprint(adj: Any, edge_weight: Optional[Tensor]) -> Tuple[List[Any], Tup
     return anchors, tuple(t._version for t in tensors)
 
 
+def graph_params(normalization: str, use_sparse_tensor_values: bool, gcn_improved: bool,
+                 gcn_add_self_loops: bool, dtype: torch.dtype, size,
+                 root_loops: bool) -> Tuple:
+    """The part of a graph's cache key that is not its source objects: the
+    options of :meth:`~pyg_maxk.CSRGraph.from_adj` that change what is built."""
+    return (normalization, use_sparse_tensor_values, gcn_improved, gcn_add_self_loops, dtype,
+            tuple(size) if size is not None else None, root_loops)
+
+
 #: Cache hits after which a graph gets exact work schedules
 #: (:meth:`CSRGraph.settle`): a new graph per mini-batch is served once per
 #: layer, a fixed one on every step.

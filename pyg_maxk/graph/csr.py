@@ -19,7 +19,7 @@ from .adjacency import (
     plain,
     sparse_size,
 )
-from .cache import _CACHE, fingerprint
+from .cache import _CACHE, fingerprint, graph_params
 from .operands import (
     GraphOperands,
     PackedGraph,
@@ -617,8 +617,8 @@ class CSRGraph:
             return graph_with_edge_values(adj, size, edge_weight, None, normalization,
                                           gcn_improved, gcn_add_self_loops, dtype)
         anchors, versions = fingerprint(adj, edge_weight)
-        params = _cache_params(normalization, use_sparse_tensor_values, gcn_improved,
-                               gcn_add_self_loops, dtype, size, root_loops)
+        params = graph_params(normalization, use_sparse_tensor_values, gcn_improved,
+                              gcn_add_self_loops, dtype, size, root_loops)
         if cache:
             hit = _CACHE.get(anchors, versions, params)
             if hit is not None:
@@ -650,16 +650,9 @@ class CSRGraph:
                 and torch.is_grad_enabled()):
             return None
         anchors, versions = fingerprint(adj, edge_weight)
-        return _CACHE.get(anchors, versions, _cache_params(
+        return _CACHE.get(anchors, versions, graph_params(
             normalization, use_sparse_tensor_values, gcn_improved, gcn_add_self_loops, dtype,
             size, root_loops))
-
-
-def _cache_params(normalization: str, use_sparse_tensor_values: bool, gcn_improved: bool,
-                  gcn_add_self_loops: bool, dtype: torch.dtype, size, root_loops: bool) -> tuple:
-    """The part of a graph's cache key that is not its source objects."""
-    return (normalization, use_sparse_tensor_values, gcn_improved, gcn_add_self_loops, dtype,
-            tuple(size) if size is not None else None, root_loops)
 
 
 def _with_root_loops(adj: Any, size, edge_weight: Optional[Tensor], normalization: str

@@ -28,7 +28,7 @@ from .adjacency import (
     is_torch_sparse,
     plain,
 )
-from .cache import _CACHE, _EDGE_LISTS, fingerprint
+from .cache import _CACHE, _EDGE_LISTS, fingerprint, graph_params
 from .operands import GraphOperands, PackedGraph, pack
 from .schedule import numba_builds
 
@@ -195,11 +195,12 @@ def edge_list_graph(adj: Any, size: Tuple[int, int], *, edge_weight: Optional[Te
     if not takes_edge_list(adj, edge_weight, dtype):
         return None
     anchors, versions = fingerprint(adj, edge_weight)
-    params = (normalization, use_sparse_tensor_values, gcn_improved, gcn_add_self_loops,
-              dtype, tuple(size))  # CSRGraph.from_adj's key, without root loops
-    if _CACHE.holds(anchors, versions, params + (root_loops,)):
+    if _CACHE.holds(anchors, versions, graph_params(
+            normalization, use_sparse_tensor_values, gcn_improved, gcn_add_self_loops, dtype,
+            size, root_loops)):
         return None
-    params += (False,)
+    params = graph_params(normalization, use_sparse_tensor_values, gcn_improved,
+                          gcn_add_self_loops, dtype, size, False)  # an edge list has no loops
     graph = _EDGE_LISTS.get(anchors, versions, params)
     if graph is not None:
         if graph._cache_hits < CSR_AFTER_HITS:
