@@ -635,7 +635,6 @@ class CSRGraph:
             _CACHE.put(anchors, versions, params, graph)
         return graph
 
-
     @classmethod
     def cached(cls, adj: Any, size: Optional[Tuple[Optional[int], Optional[int]]] = None, *,
                edge_weight: Optional[Tensor] = None, normalization: str = "sum",
