@@ -82,12 +82,6 @@ class _GraphCache:
             graph.settle()
         return graph
 
-    def holds(self, anchors, versions, params) -> bool:
-        """Whether :meth:`get` would return a graph (counting no hit)."""
-        entry = self._entries.get(self._key(anchors, params))
-        return entry is not None and entry[1] == versions and all(
-            r() is a for r, a in zip(entry[0], anchors))
-
     def drop(self, anchors, params) -> None:
         self._entries.pop(self._key(anchors, params), None)
 

@@ -28,7 +28,7 @@ from .adjacency import (
     is_torch_sparse,
     plain,
 )
-from .cache import _CACHE, _EDGE_LISTS, fingerprint, graph_params
+from .cache import _EDGE_LISTS, fingerprint, graph_params
 from .operands import GraphOperands, PackedGraph, pack
 from .schedule import numba_builds
 
@@ -186,19 +186,16 @@ def edge_list_graph(adj: Any, size: Tuple[int, int], *, edge_weight: Optional[Te
                     dtype: torch.dtype = torch.float32,
                     root_loops: bool = False) -> Optional[EdgeListGraph]:
     """The :class:`EdgeListGraph` of a GPU ``edge_index`` (with
-    :meth:`CSRGraph.from_adj`'s options), cached as graphs are; None where
-    its :class:`CSRGraph` serves instead: where :func:`takes_edge_list`
-    does not hold, where the CSR graph is cached, and for an ``edge_index``
-    seen :data:`CSR_AFTER_HITS` times (a fixed graph). With GIN's
-    ``root_loops`` the edge list holds no loops (its conv adds the root term
-    itself): only a fixed graph's CSR is worth building with them."""
+    :meth:`CSRGraph.from_adj`'s options) whose CSR graph is not cached (the
+    caller has looked it up: :meth:`CSRGraph.cached`), cached as graphs
+    are; None where its :class:`CSRGraph` serves instead: where
+    :func:`takes_edge_list` does not hold, and for an ``edge_index`` seen
+    :data:`CSR_AFTER_HITS` times (a fixed graph). With GIN's ``root_loops``
+    the edge list holds no loops (its conv adds the root term itself): only
+    a fixed graph's CSR is worth building with them."""
     if not takes_edge_list(adj, edge_weight, dtype):
         return None
     anchors, versions = fingerprint(adj, edge_weight)
-    if _CACHE.holds(anchors, versions, graph_params(
-            normalization, use_sparse_tensor_values, gcn_improved, gcn_add_self_loops, dtype,
-            size, root_loops)):
-        return None
     params = graph_params(normalization, use_sparse_tensor_values, gcn_improved,
                           gcn_add_self_loops, dtype, size, False)  # an edge list has no loops
     graph = _EDGE_LISTS.get(anchors, versions, params)
