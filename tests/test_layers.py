@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 from torch_geometric.explain.algorithm.utils import set_masks
-from torch_geometric.nn import SAGEConv
+from torch_geometric.nn import GINConv, SAGEConv
 
 import pyg_maxk
 from helpers import (
@@ -307,19 +307,86 @@ def _autograd_node_names(out):
     return names
 
 
-@pytest.mark.parametrize("kind", ["sage", "gcn", "gin"])
-def test_one_autograd_node_selects_and_aggregates(kind):
-    # Small graphs are bound by host time per autograd node: MaxK and the
-    # aggregation (and SAGE's dense root term) are one node; SAGE's CBSR root
-    # term, where it pays (the CPU kernels), is one more.
-    ours, _ = make_pair(kind)
+@pytest.mark.parametrize("kind", ["sage", "gcn", "gin", "gin_linear"])
+def test_one_autograd_node_selects_aggregates_and_maps(kind):
+    # Small graphs are bound by host time per autograd node: MaxK, the
+    # aggregation and the conv's linear maps (SAGE's two, GCN's, GIN's where
+    # its network is one linear map) are one node. SAGE's CBSR root term,
+    # where it pays (the CPU kernels), and GIN's MLP are nodes of their own.
+    if kind == "gin_linear":
+        torch.manual_seed(0)
+        ours = MaxKGINConv(torch.nn.Linear(F_IN, F_OUT), k=K, eps=0.3)
+    else:
+        ours, _ = make_pair(kind)
     x = random_features().requires_grad_()
     names = _autograd_node_names(ours(x, random_edge_index(N, N, 50, seed=3)))
     ours_nodes = [name for name in names if name.endswith("_functionBackward")]
-    expected = ["maxk_aggregate_functionBackward"]
     if kind == "sage" and ours.cbsr_root_pays(x):
-        expected.append("cbsr_linear_functionBackward")
+        expected = ["maxk_aggregate_functionBackward", "cbsr_linear_functionBackward"]
+    elif kind == "gin":
+        expected = ["maxk_aggregate_functionBackward"]
+    else:
+        expected = ["maxk_aggregate_linear_functionBackward"]
+        assert not any(name.startswith(("Addmm", "Mm", "T")) for name in names), names
     assert sorted(ours_nodes) == sorted(expected), names
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("eps", [0.0, 0.3])
+def test_contract_gin_with_a_linear_network(form, eps):
+    # GIN's network as one linear map runs inside the conv's one node: with
+    # its root term as self-loops (eps = 0 on a fixed edge_index) or on the
+    # dense form (any fixed eps).
+    ei = random_edge_index(N, N, 50, seed=3)
+    value = random_weights(ei.size(1)) if form in ("SparseTensor", "coo", "csr", "csc") else None
+    adj = adjacency(form, ei, (N, N), value)
+    torch.manual_seed(0)
+    ours = MaxKGINConv(torch.nn.Linear(F_IN, F_OUT), k=K, eps=eps)
+    stock = GINConv(torch.nn.Linear(F_IN, F_OUT), eps=eps)
+    for _ in range(3):  # a fixed graph: the loops, where they pay, from a hit on
+        assert_same_as_stock(ours, stock, random_features(), (adj,), K)
+        ours.zero_grad(), stock.zero_grad()
+
+
+@pytest.mark.parametrize("kind", ["sage", "gin"])
+@pytest.mark.parametrize("module_hook", [False, True])
+def test_a_hooked_linear_map_is_called_as_a_module(kind, module_hook):
+    # A forward hook, on the module or on every module, gets the module's
+    # own call, outside the conv's node: the same results.
+    ei = random_edge_index(N, N, 50, seed=4)
+    torch.manual_seed(0)
+    if kind == "sage":
+        ours, stock = make_pair("sage")
+        module = ours.lin_r
+    else:
+        ours = MaxKGINConv(torch.nn.Linear(F_IN, F_OUT), k=K, eps=0.3)
+        stock = GINConv(torch.nn.Linear(F_IN, F_OUT), eps=0.3)
+        module = ours.nn
+    seen = []
+    if module_hook:
+        handle = module.register_forward_hook(lambda m, args, out: seen.append(out.shape))
+    else:
+        handle = torch.nn.modules.module.register_module_forward_hook(
+            lambda m, args, out: seen.append(out.shape) if m is module else None)
+    try:
+        assert_same_as_stock(ours, stock, random_features(), (ei,), K)
+    finally:
+        handle.remove()
+    assert seen == [torch.Size([N, F_OUT])]
+
+
+def test_a_linear_subclass_is_called_as_a_module():
+    class Scaled(torch.nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    ei = random_edge_index(N, N, 50, seed=4)
+    torch.manual_seed(0)
+    ours = MaxKGINConv(Scaled(F_IN, F_OUT), k=K, eps=0.3)
+    x = random_features()
+    expected = 2 * torch.nn.functional.linear(
+        GINConv(torch.nn.Identity(), eps=0.3)(dense_maxk(x, K), ei), ours.nn.weight, ours.nn.bias)
+    torch.testing.assert_close(ours(x, ei), expected, rtol=1e-5, atol=1e-5)
 
 
 def _calls_of(monkeypatch, owner, name: str) -> list:
@@ -514,7 +581,7 @@ def test_dropout_runs_in_the_fused_op_and_cbsr_inputs_take_the_separate_steps():
     torch.manual_seed(0)
     out = conv(x, ei)
     names = _autograd_node_names(out)
-    assert "maxk_aggregate_functionBackward" in names
+    assert "maxk_aggregate_linear_functionBackward" in names
     assert "spgemm_functionBackward" not in names
     torch.manual_seed(0)
     h = pyg_maxk.maxk(x, K, dropout=0.5, training=True)

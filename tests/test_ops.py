@@ -12,6 +12,7 @@ import pyg_maxk
 from helpers import poison_allocator, random_edge_index
 from pyg_maxk import CSRGraph
 from pyg_maxk.ops import _library as lib
+from pyg_maxk.ops._conv_node import maxk_aggregate_linear_eager
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -400,3 +401,134 @@ def test_a_backward_through_an_op_without_autograd_is_a_clear_error():
     (grad_x,) = torch.autograd.grad(agg.square().sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="no autograd formula"):
         grad_x.sum().backward()
+
+
+# ------------------------------------------------- maxk_aggregate_linear
+_LINEAR_BACKENDS = ["numba"] if ON_GPU else ["cpu", pytest.param("numba", marks=pytest.mark.sim)]
+
+
+def _linear_terms(terms, dim, out, dtype=torch.float32):
+    g = torch.Generator().manual_seed(7)
+    weights = {"weight": torch.randn(out, dim, generator=g, dtype=dtype),
+               "bias": torch.randn(out, generator=g, dtype=dtype) if "bias" in terms else None,
+               "root_weight": (torch.randn(out, dim, generator=g, dtype=dtype)
+                               if "root_weight" in terms else None),
+               "root_scale": (torch.tensor([1.3], dtype=dtype) if "root_scale" in terms
+                              else None)}
+    return {name: None if t is None else t.to(DEVICE).requires_grad_(name != "root_scale")
+            for name, t in weights.items()}
+
+
+def _composed(x, k, graph, weight, bias, root_weight, root_scale, dropout):
+    """maxk_aggregate_linear as its steps: maxk_aggregate, then the GEMMs."""
+    with_dense = root_weight is not None or root_scale is not None
+    agg, _, dense = pyg_maxk.ops.maxk_aggregate(x, k, graph, with_dense=with_dense,
+                                                dropout=dropout, training=True)
+    if root_scale is not None:
+        agg = agg + root_scale * dense
+    out = torch.nn.functional.linear(agg, weight, bias)
+    return out if root_weight is None else out + dense @ root_weight.t()
+
+
+@pytest.mark.parametrize("backend", _LINEAR_BACKENDS)
+@pytest.mark.parametrize("terms", [(), ("bias",), ("bias", "root_weight"),
+                                   ("bias", "root_scale"), ("root_weight",)])
+@pytest.mark.parametrize("dropout", [0.0, 0.5])
+def test_maxk_aggregate_linear_node_equals_its_steps(backend, terms, dropout):
+    # One autograd node (the eager path) against maxk_aggregate and torch's
+    # GEMMs: the output and every gradient, with dropout drawn alike.
+    graph = _graph(26, 26, 120, "mean", seed=6)
+    x = torch.randn(26, 24, device=DEVICE)
+    grad = torch.randn(26, 10, device=DEVICE)
+    results = []
+    for fused in (True, False):
+        w = _linear_terms(terms, 24, 10)
+        xg = x.clone().requires_grad_()
+        torch.manual_seed(11)
+        with pyg_maxk.use_backend(backend):
+            if fused:
+                out = pyg_maxk.ops.maxk_aggregate_linear(
+                    xg, 5, graph, w["weight"], w["bias"], root_weight=w["root_weight"],
+                    root_scale=w["root_scale"], dropout=dropout, training=True)
+                assert type(out.grad_fn).__name__ == "maxk_aggregate_linear_functionBackward"
+            else:
+                out = _composed(xg, 5, graph, **w, dropout=dropout)
+        out.backward(grad)
+        results.append([out, xg.grad] + [w[n].grad for n in ("weight", "bias", "root_weight")
+                                          if w[n] is not None])
+    for ours, ref in zip(*results):
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["numba"] if ON_GPU else [
+    "cpu", pytest.param("numba", marks=[pytest.mark.sim, pytest.mark.smoke])])
+def test_maxk_aggregate_linear_node_computes_only_the_gradients_asked_for(backend):
+    # Frozen weights, features without a gradient, no grad mode, a second
+    # backward (retain_graph=True: the sums the select zeroed serve once).
+    graph = _graph(20, 20, 90, "sum", seed=3)
+    x = torch.randn(20, 16, device=DEVICE)
+    grad = torch.randn(20, 6, device=DEVICE)
+    w = _linear_terms(("bias", "root_weight"), 16, 6)
+    with pyg_maxk.use_backend(backend):
+        ref_x = x.clone().requires_grad_()
+        _composed(ref_x, 4, graph, **w, dropout=0.0).backward(grad)
+        ref = [ref_x.grad] + [w[n].grad.clone() for n in ("weight", "bias", "root_weight")]
+        for t in w.values():
+            if t is not None:
+                t.grad = None
+        w["weight"].requires_grad_(False)
+        out = pyg_maxk.ops.maxk_aggregate_linear(x, 4, graph, w["weight"], w["bias"],
+                                                 root_weight=w["root_weight"])
+        out.backward(grad)
+        assert w["weight"].grad is None
+        torch.testing.assert_close(w["bias"].grad, ref[2])
+        torch.testing.assert_close(w["root_weight"].grad, ref[3], rtol=1e-5, atol=1e-5)
+        xg = x.clone().requires_grad_()
+        poison_allocator()
+        out = pyg_maxk.ops.maxk_aggregate_linear(xg, 4, graph, w["weight"], w["bias"],
+                                                 root_weight=w["root_weight"])
+        out.backward(grad, retain_graph=True)
+        torch.testing.assert_close(xg.grad, ref[0], rtol=1e-5, atol=1e-5)
+        out.backward(grad)
+        torch.testing.assert_close(xg.grad, 2 * ref[0], rtol=1e-5, atol=1e-5)
+        with torch.no_grad():
+            plain = pyg_maxk.ops.maxk_aggregate_linear(xg, 4, graph, w["weight"], w["bias"],
+                                                       root_weight=w["root_weight"])
+        assert plain.grad_fn is None
+        torch.testing.assert_close(plain, out.detach())
+
+
+def test_maxk_aggregate_linear_composes_the_ops_where_its_node_does_not_apply():
+    # The torch backend, weights of another dtype, a scale that needs a gradient,
+    # learnable edge values, k >= dim: the same results through the ops one
+    # by one (no node of its own). A second derivative refuses on both paths.
+    graph = _graph(12, 12, 40, "sum", seed=2)
+    x = torch.randn(12, 16, device=DEVICE, requires_grad=True)
+    w = _linear_terms(("bias", "root_scale"), 16, 5)
+    node = "maxk_aggregate_linear_functionBackward"
+
+    def run(x, k=4, graph=graph, **changes):
+        kwargs = dict(w, **changes)
+        out = pyg_maxk.ops.maxk_aggregate_linear(x, k, graph, kwargs.pop("weight"),
+                                                 kwargs.pop("bias"), **kwargs)
+        torch.testing.assert_close(out, _composed(x, k, graph, **dict(w, **changes),
+                                                  dropout=0.0), rtol=1e-5, atol=1e-5)
+        return type(out.grad_fn).__name__
+
+    assert run(x) == node
+    with pyg_maxk.use_backend("torch"):
+        assert run(x) != node
+    assert maxk_aggregate_linear_eager(x, 4, graph.operands(4), 12, w["weight"].double(),
+                                       None, None, None, None, "auto") is None
+    assert run(x, root_scale=w["root_scale"].detach().requires_grad_()) != node
+    learnable = graph.with_weight(torch.rand(graph.num_edges, device=DEVICE).requires_grad_(),
+                                  "sum")
+    assert run(x, graph=learnable) != node
+    assert run(x, k=16) != node
+    with pytest.raises(ValueError, match="as many targets as sources"):
+        pyg_maxk.ops.maxk_aggregate_linear(x, 4, _graph(12, 9, 30, "sum"), w["weight"],
+                                           root_scale=w["root_scale"])
+    out = pyg_maxk.ops.maxk_aggregate_linear(x, 4, graph, w["weight"], w["bias"])
+    (grad,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        grad.sum().backward()

@@ -9,6 +9,7 @@ from typing import Any, Callable, Optional, Tuple, Union
 import torch
 from torch import Tensor
 from torch_geometric.nn import MessagePassing
+from torch_geometric.nn.dense.linear import Linear
 from torch_geometric.typing import Size
 
 from ..cbsr import CBSR
@@ -78,6 +79,29 @@ _cached_graph_outside_compile = _outside_compiled_graph(
     "pyg_maxk resolves a raw adjacency (edge_index, SparseTensor, torch.sparse) in its graph "
     "cache outside the compiled graph: for fullgraph=True pass a prepared graph instead, "
     "pyg_maxk.ToCSRGraph(normalization, k) or CSRGraph.from_adj(...).prepare(k)")(_cached_graph)
+
+
+def plain_linear(module: Any, dtype: torch.dtype) -> bool:
+    """Whether calling ``module`` is ``F.linear(x, module.weight,
+    module.bias)`` on ``dtype`` features: a PyG or torch ``Linear`` (not a
+    subclass), no forward hooks (its own or global ones), its weight sized
+    and of ``dtype``. A conv may then run the map inside its own op."""
+    if type(module) not in _LINEARS or module._forward_hooks or module._forward_pre_hooks:
+        return False
+    if _GLOBAL_HOOKS is None or any(_GLOBAL_HOOKS):
+        return False
+    weight = module.weight  # a lazy module's is an UninitializedParameter
+    return type(weight) in _PLAIN_TENSORS and weight.dtype == dtype
+
+
+_LINEARS = (Linear, torch.nn.Linear)
+_PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
+#: torch's registries of forward hooks for every module (None where a torch
+#: keeps them elsewhere: then no linear map counts as plain).
+_GLOBAL_HOOKS = tuple(getattr(torch.nn.modules.module, name, None)
+                      for name in ("_global_forward_hooks", "_global_forward_pre_hooks"))
+if None in _GLOBAL_HOOKS:  # pragma: no cover
+    _GLOBAL_HOOKS = None
 
 
 def _learnable(edge_weight: Optional[Tensor]) -> bool:

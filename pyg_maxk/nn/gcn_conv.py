@@ -10,7 +10,7 @@ from torch_geometric.nn.dense.linear import Linear, is_uninitialized_parameter
 from torch_geometric.nn.inits import zeros
 from torch_geometric.typing import Adj, OptTensor
 
-from ..ops import aggregation_dtype, dtype_of
+from ..ops import aggregation_dtype, dtype_of, maxk_aggregate_linear
 from .conv_base import Features, MaxKConv
 
 
@@ -95,6 +95,13 @@ class MaxKGCNConv(MaxKConv):
                              f"instead")
         x, _ = self.split_features(x)
         graph = self.graph_for(edge_index, x, x, None, edge_weight=edge_weight)
+        if (isinstance(x, Tensor) and self.k < x.size(1) and x.dtype == self.lin.weight.dtype
+                and not is_uninitialized_parameter(self.lin.weight)
+                and not torch.is_autocast_enabled(x.device.type)):
+            # MaxK, the aggregation and the linear map in one autograd node
+            # (the bias in the GEMM's epilogue), as below.
+            return maxk_aggregate_linear(x, self.k, graph, self.lin.weight, self.bias,
+                                         dropout=self.dropout, training=self.training)
         agg = self.sparsify_and_aggregate(graph, x)[0]  # [N, F_in]
         if is_uninitialized_parameter(self.lin.weight):  # lazy in_channels=-1
             out = self.lin(agg)

@@ -10,7 +10,8 @@ from torch_geometric.typing import Adj, Size
 
 from ..dispatch import dense_root_pays, root_loops_pay
 from ..graph import CSRGraph, is_torch_sparse
-from .conv_base import Features, MaxKConv, PairFeatures
+from ..ops import maxk_aggregate_linear
+from .conv_base import Features, Graph, MaxKConv, PairFeatures, plain_linear
 
 #: Host copies of CUDA tensors' values (:func:`host_value`), by ``id``:
 #: ``[weak reference, (version, data pointer), value or pinned copy, event]``.
@@ -143,8 +144,12 @@ class MaxKGINConv(MaxKConv):
         if graph.root_loops:  # the root term is among the edges
             if self.eps.is_cuda:  # host_value misses edits through .data
                 torch._assert_async(self.eps == 0, _EPS_EDITED)
+            if self.fuses_nn(x_src):
+                return self.maxk_aggregate_nn(graph, x_src)
             return self.nn(self.sparsify_and_aggregate(graph, x_src)[0])
         dense_root = x_dst is x_src and self.dense_root_pays(x_src)
+        if dense_root and not self.eps.requires_grad and self.fuses_nn(x_src):
+            return self.maxk_aggregate_nn(graph, x_src, root_scale=1 + self.eps)
         out, h_src, dense = self.sparsify_and_aggregate(graph, x_src, with_dense=dense_root)
         if dense_root:
             out = out.addcmul_(dense, 1 + self.eps)  # out is fresh
@@ -152,6 +157,22 @@ class MaxKGINConv(MaxKConv):
             h_dst = h_src if x_dst is x_src else self.sparsify(x_dst)
             out = h_dst.add_to(out, 1 + self.eps, inplace=True)  # out is fresh
         return self.nn(out)
+
+    def fuses_nn(self, x: Features) -> bool:
+        """Whether :math:`h_{\\mathbf{\\Theta}}` runs in one op with MaxK and
+        the aggregation of ``x`` (:func:`pyg_maxk.ops.maxk_aggregate_linear`):
+        for features that MaxK sparsifies here, outside autocast, with a
+        network that is one plain linear map (:func:`.conv_base.plain_linear`)."""
+        return (isinstance(x, Tensor) and self.k < x.size(1)
+                and not torch.is_autocast_enabled(x.device.type) and plain_linear(self.nn, x.dtype))
+
+    def maxk_aggregate_nn(self, graph: Graph, x: Tensor, root_scale: Optional[Tensor] = None
+                          ) -> Tensor:
+        """:math:`h_{\\mathbf{\\Theta}}` of the aggregation (plus ``root_scale``
+        times the MaxK of ``x``), where :meth:`fuses_nn`."""
+        return maxk_aggregate_linear(x, self.k, graph, self.nn.weight, self.nn.bias,
+                                     root_scale=root_scale, dropout=self.dropout,
+                                     training=self.training)
 
     def dense_root_pays(self, x: Features) -> bool:
         """Whether the root term of ``x`` (``x_src`` as ``x_dst``) is added on

@@ -10,8 +10,8 @@ from torch_geometric.typing import Adj, Size
 
 from ..cbsr import CBSR
 from ..dispatch import cbsr_linear_pays
-from ..ops import cbsr_linear, to_dense
-from .conv_base import Features, MaxKConv, PairFeatures
+from ..ops import cbsr_linear, maxk_aggregate_linear, to_dense
+from .conv_base import Features, MaxKConv, PairFeatures, plain_linear
 
 
 class MaxKSAGEConv(MaxKConv):
@@ -93,6 +93,13 @@ class MaxKSAGEConv(MaxKConv):
         # its [N, F_in] input is small, and a step there is bound by host time,
         # which torch's own autograd nodes spend less of than a CBSR linear op.
         dense_root = root and x_dst is x_src and not self.cbsr_root_pays(x_src)
+        if (dense_root or not root) and self.fuses_linears(x_src):
+            # MaxK, the aggregation and both linear maps in one autograd node.
+            out = maxk_aggregate_linear(
+                x_src, self.k, graph, self.lin_l.weight, self.lin_l.bias,
+                root_weight=self.lin_r.weight if root else None, dropout=self.dropout,
+                training=self.training)
+            return F.normalize(out, p=2., dim=-1) if self.normalize else out
         agg, h_src, dense = self.sparsify_and_aggregate(graph, x_src, with_dense=dense_root)
 
         if dense_root:
@@ -115,19 +122,29 @@ class MaxKSAGEConv(MaxKConv):
             return cbsr_linear_pays(x.values, x.dim, x.k, out)
         return cbsr_linear_pays(x, x.size(1), min(self.k, x.size(1)), out)
 
+    def fuses_linears(self, x: Features) -> bool:
+        """Whether this conv's linear maps run in one op with MaxK and the
+        aggregation of ``x`` (:func:`pyg_maxk.ops.maxk_aggregate_linear`):
+        for features that MaxK sparsifies here, outside autocast, with
+        linear maps that are plain GEMMs (:func:`.conv_base.plain_linear`)."""
+        if not isinstance(x, Tensor) or self.k >= x.size(1):
+            return False
+        modules = (self.lin_l, self.lin_r) if self.root_weight else (self.lin_l,)
+        return not torch.is_autocast_enabled(x.device.type) and all(
+            plain_linear(m, x.dtype) for m in modules)
+
     def dense_sum_of_linears(self, agg: Tensor, dense: Tensor) -> Tensor:
         """``lin_l(agg) + lin_r(dense)``, shape ``[N, F_out]``: ``lin_r``'s
         product accumulated in place into ``lin_l``'s fresh output (a GEMM
         with ``beta = 1``; ``lin_r`` has no bias), one pass over the result
         and one autograd node fewer than the sum. Through the modules (their
         hooks, autocast's casts, lazy weights) otherwise."""
-        w_r = self.lin_r.weight
         out = self.lin_l(agg)
-        hooked = any(m._forward_hooks or m._forward_pre_hooks for m in (self.lin_l, self.lin_r))
-        if (hooked or is_uninitialized_parameter(w_r) or torch.is_autocast_enabled(out.device.type)
-                or not out.dtype == dense.dtype == w_r.dtype):
+        if (torch.is_autocast_enabled(out.device.type) or out.dtype != dense.dtype
+                or not (plain_linear(self.lin_l, agg.dtype)
+                        and plain_linear(self.lin_r, dense.dtype))):
             return out + self.lin_r(dense)
-        return out.addmm_(dense, w_r.t())
+        return out.addmm_(dense, self.lin_r.weight.t())
 
     def sum_of_linears(self, agg: Tensor, h: CBSR) -> Tensor:
         """``lin_l(agg) + lin_r(h)``, shape ``[N_dst, F_out]``.

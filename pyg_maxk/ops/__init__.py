@@ -1,6 +1,7 @@
 """The functional MaxK ops: :func:`maxk` (dense -> CBSR), :func:`to_dense`,
 :func:`aggregate` (CSR graph x CBSR -> dense), :func:`maxk_aggregate` (the
-first and the third in one op) and :func:`cbsr_linear`.
+first and the third in one op), :func:`maxk_aggregate_linear` (that and a
+conv's linear maps) and :func:`cbsr_linear`.
 
 Each checks its input, asks :func:`pyg_maxk.dispatch.choose` for a backend
 and calls a custom op of :mod:`._library` with it. All are differentiable
@@ -21,6 +22,7 @@ from ..dispatch import get_backend
 from ..graph import CSRGraph, EdgeListGraph
 from . import _library as lib
 from ._common import aggregation_dtype, as_dtype, dtype_of
+from ._conv_node import maxk_aggregate_linear_eager
 
 
 def check_k(k: object) -> int:
@@ -184,21 +186,98 @@ def maxk_aggregate(x: Tensor, k: int, graph: Union[CSRGraph, EdgeListGraph], *,
     if k >= x.size(1):  # every entry kept: the dense aggregation
         h = maxk(x, k, dropout=dropout, training=training)
         return aggregate(graph, h), h, (h.values if with_dense else None)
+    _check_graph_of(x, graph)
+    # The draw before the op: a custom op's random draws would be opaque to
+    # torch.compile (and to CUDA-graph capture of the generator's state).
+    scale = dropout_scale(x, k, dropout, training)
+    return _maxk_aggregate(x, k, graph, with_dense, scale, get_backend())
+
+
+def _check_graph_of(x: Tensor, graph: Union[CSRGraph, EdgeListGraph]) -> None:
     if x.size(0) != graph.num_src:
         raise ValueError(f"The features have {x.size(0)} rows but the graph has "
                          f"{graph.num_src} source nodes")
     if x.device != graph.device:
         raise ValueError(f"The features are on {x.device} but the graph is on "
                          f"{graph.device}; move both to the same device")
-    # The draw before the op: a custom op's random draws would be opaque to
-    # torch.compile (and to CUDA-graph capture of the generator's state).
-    scale = dropout_scale(x, k, dropout, training)
-    packed, backend = graph.operands(k), get_backend()
+
+
+def _maxk_aggregate(x: Tensor, k: int, graph: Union[CSRGraph, EdgeListGraph], with_dense: bool,
+                    scale: Optional[Tensor], backend: str
+                    ) -> Tuple[Tensor, CBSR, Optional[Tensor]]:
+    """:func:`maxk_aggregate` (``k < dim``) with its dropout's factors drawn."""
+    packed = graph.operands(k)
     out = lib.maxk_aggregate_eager(x, k, packed, graph.num_dst, with_dense, scale, backend)
     if out is None:
         out = lib.maxk_aggregate(x, k, *packed, graph.num_dst, with_dense, scale, backend)
     agg, values, indices, dense = out
     return agg, CBSR(values, indices, x.size(1)), (dense if with_dense else None)
+
+
+def maxk_aggregate_linear(x: Tensor, k: int, graph: Union[CSRGraph, EdgeListGraph],
+                          weight: Tensor, bias: Optional[Tensor] = None, *,
+                          root_weight: Optional[Tensor] = None,
+                          root_scale: Optional[Tensor] = None, dropout: float = 0.0,
+                          training: bool = False) -> Tensor:
+    r"""A MaxK conv's input step and linear maps: for
+    ``h = maxk(x, k, dropout=dropout, training=training)`` (dense form
+    :math:`\mathbf{H}`),
+
+    .. math::
+        (\mathbf{A} \mathbf{H} + s\,\mathbf{H})\,\mathbf{W}^\top + \mathbf{b}
+        + \mathbf{H}\,\mathbf{W}_r^\top
+
+    where ``root_scale`` gives :math:`s` (GIN's :math:`1 + \epsilon`) and
+    ``root_weight`` gives :math:`\mathbf{W}_r` (SAGE's root weight); each
+    term is left out where its argument is None.
+
+    In eager mode, where one kernel family runs MaxK and the aggregation and
+    every weight is a plain tensor of ``x``'s dtype, it is one autograd node
+    (the kernels of :func:`maxk_aggregate`, then the GEMMs), where the ops
+    one by one make three to five: a small graph's step is bound by host
+    time per node. Elsewhere (compiled code, autocast, mixed dtypes, edge
+    values that need a gradient) it is :func:`maxk_aggregate` followed by
+    the GEMMs, with the same results. Its gradient cannot be differentiated
+    again.
+
+    Args:
+        x (torch.Tensor): ``[num_src, dim]`` features.
+        k (int): entries kept per row.
+        graph (CSRGraph or EdgeListGraph): ``[num_dst, num_src]`` adjacency
+            (``num_src == num_dst`` with a root term).
+        weight (torch.Tensor): ``[out, dim]``.
+        bias (torch.Tensor, optional): ``[out]``.
+        root_weight (torch.Tensor, optional): ``[out, dim]``.
+        root_scale (torch.Tensor, optional): a scalar or one-element tensor,
+            taking no gradient.
+        dropout (float): dropout probability on the kept values.
+        training (bool): whether dropout is active.
+
+    Returns:
+        ``[num_dst, out]`` dense tensor.
+    """
+    k = check_k(k)
+    _check_features(x)
+    with_dense = root_weight is not None or root_scale is not None
+    if with_dense and graph.num_dst != graph.num_src:
+        raise ValueError(f"A root term needs as many targets as sources, got a graph of "
+                         f"{graph.num_dst} x {graph.num_src}")
+    if k >= x.size(1):
+        agg, h, dense = maxk_aggregate(x, k, graph, with_dense=with_dense, dropout=dropout,
+                                       training=training)
+    else:
+        _check_graph_of(x, graph)
+        scale = dropout_scale(x, k, dropout, training)
+        backend = get_backend()
+        out = maxk_aggregate_linear_eager(x, k, graph.operands(k), graph.num_dst, weight, bias,
+                                          root_weight, root_scale, scale, backend)
+        if out is not None:
+            return out
+        agg, h, dense = _maxk_aggregate(x, k, graph, with_dense, scale, backend)
+    if root_scale is not None:
+        agg = agg.addcmul_(dense, root_scale)  # agg is fresh
+    out = F.linear(agg, weight, bias)
+    return out if root_weight is None else out.addmm_(dense, root_weight.t())
 
 
 def cbsr_linear(h: CBSR, weight: Tensor, bias: Tensor | None = None, *,
@@ -273,5 +352,5 @@ def _linear_is_dense(h: CBSR, weight: Tensor, bias: Tensor | None) -> bool:
             or torch.is_autocast_enabled(h.device.type))
 
 
-__all__ = ["maxk", "aggregate", "maxk_aggregate", "aggregation_dtype", "cbsr_linear", "check_k",
-           "dropout_scale", "dtype_of", "linear_backend", "to_dense"]
+__all__ = ["maxk", "aggregate", "maxk_aggregate", "maxk_aggregate_linear", "aggregation_dtype",
+           "cbsr_linear", "check_k", "dropout_scale", "dtype_of", "linear_backend", "to_dense"]
