@@ -23,6 +23,7 @@ from ..graph import (
     is_torch_sparse,
 )
 from ..ops import _check_features, aggregate, check_k, maxk, maxk_aggregate, to_dense
+from ..ops._common import PLAIN_TENSORS
 
 #: What a layer aggregates over (:meth:`MaxKConv.graph_for`).
 Graph = Union[CSRGraph, EdgeListGraph]
@@ -91,11 +92,10 @@ def plain_linear(module: Any, dtype: torch.dtype) -> bool:
     if _GLOBAL_HOOKS is None or any(_GLOBAL_HOOKS):
         return False
     weight = module.weight  # a lazy module's is an UninitializedParameter
-    return type(weight) in _PLAIN_TENSORS and weight.dtype == dtype
+    return type(weight) in PLAIN_TENSORS and weight.dtype == dtype
 
 
 _LINEARS = (Linear, torch.nn.Linear)
-_PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
 #: torch's registries of forward hooks for every module (None where a torch
 #: keeps them elsewhere: then no linear map counts as plain).
 _GLOBAL_HOOKS = tuple(getattr(torch.nn.modules.module, name, None)

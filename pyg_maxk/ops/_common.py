@@ -7,6 +7,11 @@ from typing import ContextManager, Optional
 import torch
 from torch import Tensor
 
+#: The tensor types that the eager paths take as they are, checked with
+#: ``type(t) in PLAIN_TENSORS``: unlike ``isinstance``, that leaves out
+#: tensor subclasses (traced or wrapper tensors), which need the dispatcher.
+PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
+
 
 def aggregation_dtype(values_dtype: torch.dtype, weight_dtype: Optional[torch.dtype],
                       row_scale_dtype: Optional[torch.dtype]) -> torch.dtype:

@@ -18,7 +18,8 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from ..graph import PackedGraph, unpack
-from ._library import _PLAIN_TENSORS, _eager_kernels, _family_forward, _family_input_grad
+from ._common import PLAIN_TENSORS
+from ._library import _eager_kernels, _family_forward, _family_input_grad
 
 
 def maxk_aggregate_linear_eager(x: Tensor, k: int, graph: PackedGraph, num_dst: int,
@@ -36,7 +37,7 @@ def maxk_aggregate_linear_eager(x: Tensor, k: int, graph: PackedGraph, num_dst: 
     if kernels is None:
         return None
     for t in (weight, bias, root_weight, root_scale):
-        if t is not None and (type(t) not in _PLAIN_TENSORS or t.dtype != x.dtype):
+        if t is not None and (type(t) not in PLAIN_TENSORS or t.dtype != x.dtype):
             return None
     if root_scale is not None and root_scale.requires_grad:
         return None

@@ -27,7 +27,7 @@ from ..cbsr import index_dtype_for
 from ..dispatch import choose
 from ..graph import PackedGraph, layout_dtype, layout_numel, unpack
 from . import torch_ops
-from ._common import aggregation_dtype, as_dtype, dtype_of
+from ._common import PLAIN_TENSORS, aggregation_dtype, as_dtype, dtype_of
 
 
 def _impls(op: str, requested: str, tensor: Tensor, **shape):
@@ -113,7 +113,7 @@ class KernelOp:
         needs_grad = False
         for a in args:
             if isinstance(a, Tensor):
-                if type(a) not in _PLAIN_TENSORS:
+                if type(a) not in PLAIN_TENSORS:
                     return self.op(*args)
                 needs_grad = needs_grad or a.requires_grad
         if needs_grad and torch.is_grad_enabled():
@@ -129,9 +129,6 @@ class KernelOp:
 
     def __repr__(self) -> str:
         return f"KernelOp(pyg_maxk::{self.name})"
-
-
-_PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
 
 
 def _register_autograd(name: str, op, impl: Callable, backward: Callable,
@@ -158,7 +155,7 @@ def _register_autograd(name: str, op, impl: Callable, backward: Callable,
     def kernel(keyset, *args):
         if not (torch.is_grad_enabled() and any_requires_grad(*args)) \
                 and _get_current_dispatch_mode() is None \
-                and all(type(a) in _PLAIN_TENSORS for a in args if isinstance(a, Tensor)):
+                and all(type(a) in PLAIN_TENSORS for a in args if isinstance(a, Tensor)):
             return impl(*args)
         return general(keyset, *args)
     _LIBRARY.impl(name, kernel, "Autograd", with_keyset=True)
@@ -539,10 +536,10 @@ def _eager_kernels(x: Tensor, k: int, graph: PackedGraph, scale: Optional[Tensor
                    backend: str) -> Optional[str]:
     if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
         return None
-    if type(x) not in _PLAIN_TENSORS:
+    if type(x) not in PLAIN_TENSORS:
         return None
     for t in (scale, graph.weight, graph.weight_t):
-        if t is not None and (type(t) not in _PLAIN_TENSORS or t.requires_grad):
+        if t is not None and (type(t) not in PLAIN_TENSORS or t.requires_grad):
             return None
     if torch._C._are_functorch_transforms_active():
         return None
