@@ -8,11 +8,13 @@ from typing import Any, Callable, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch_geometric.nn import MessagePassing
 from torch_geometric.nn.dense.linear import Linear
 from torch_geometric.typing import Size
 
 from ..cbsr import CBSR
+from ..dispatch import get_backend, half_reductions_allowed
 from ..graph import (
     CSRGraph,
     EdgeListGraph,
@@ -22,8 +24,19 @@ from ..graph import (
     is_sparse_tensor,
     is_torch_sparse,
 )
-from ..ops import _check_features, aggregate, check_k, maxk, maxk_aggregate, to_dense
+from ..ops import (
+    _check_features,
+    aggregate,
+    check_k,
+    dropout_scale,
+    maxk,
+    maxk_aggregate,
+    maxk_aggregate_linear,
+    to_dense,
+)
 from ..ops._common import PLAIN_TENSORS
+from ..ops._conv_node import run_node
+from ..ops._library import _eager_kernels
 
 #: What a layer aggregates over (:meth:`MaxKConv.graph_for`).
 Graph = Union[CSRGraph, EdgeListGraph]
@@ -306,6 +319,84 @@ class MaxKConv(MessagePassing):
         lookup = _cached_graph_outside_compile if torch.compiler.is_compiling() else _cached_graph
         return lookup(adj, sizes, _kept(x_src, self.k), edge_weight=edge_weight,
                       normalization=normalization, dtype=dtype, **options)
+
+    # ------------------------------------------------ the repeated fused call
+    def fused_call(self, x: Tensor, graph: Graph, adj: Any, maps: tuple) -> Tensor:
+        """:func:`maxk_aggregate_linear` of ``x`` over ``graph`` with ``maps``
+        (the aggregation's linear map, then the root term's, if any). Where
+        it runs as one autograd node on a prepared graph passed as ``adj``,
+        the call is remembered with everything that decided it, and
+        :meth:`repeat_fused_call` repeats it without the layer's and the op's
+        checks while none of that has changed."""
+        weight, bias, root_weight = self.fused_weights(maps)
+        if torch.compiler.is_compiling():  # compiled code keeps no state of its own here
+            return maxk_aggregate_linear(x, self.k, graph, weight, bias,
+                                         root_weight=root_weight, dropout=self.dropout,
+                                         training=self.training)
+        self.__dict__.pop("_last_fused", None)
+        out = maxk_aggregate_linear(x, self.k, graph, weight, bias, root_weight=root_weight,
+                                    dropout=self.dropout, training=self.training)
+        if adj is graph and not self.explain and isinstance(graph, (CSRGraph, EdgeListGraph)):
+            state = self._fused_state(x)
+            packed = graph.operands(self.k)
+            kernels = _eager_kernels(x, self.k, packed, None, state[-1])
+            if kernels is not None:
+                self.__dict__["_last_fused"] = (graph, x.shape, x.dtype, x.device, maps, state,
+                                                packed, kernels)
+        return out
+
+    def fused_maps(self) -> tuple:
+        """The linear modules of this conv's one-node call, as they are now."""
+        return ()
+
+    def __getstate__(self) -> dict:
+        # The remembered call holds a graph: never pickled or deep-copied.
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
+        return {key: value for key, value in state.items() if key != "_last_fused"}
+
+    def fused_weights(self, maps: tuple) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+        """``(weight, bias, root_weight)`` of the one-node call with ``maps``
+        (by default the first map's weight and bias, the second's weight)."""
+        return maps[0].weight, maps[0].bias, (maps[1].weight if len(maps) > 1 else None)
+
+    def _fused_state(self, x: Tensor) -> tuple:
+        """What else decides the one-node call (the backend last)."""
+        return (self.training, self.dropout, self.k, self.explain,
+                torch.is_autocast_enabled(x.device.type),
+                torch.are_deterministic_algorithms_enabled(), half_reductions_allowed(),
+                get_backend())
+
+    def repeat_fused_call(self, x: Any, adj: Any) -> Optional[Tensor]:
+        """The one-node call that :meth:`fused_call` remembered, for the same
+        prepared graph and features of the same shape, type and device,
+        where nothing else that decided it has changed; None otherwise."""
+        if torch.compiler.is_compiling():  # first: dynamo then traces none of the rest
+            return None
+        last = self.__dict__.get("_last_fused")
+        if last is None or adj is not last[0] or type(x) not in PLAIN_TENSORS:
+            return None
+        if x.shape != last[1] or x.dtype != last[2] or x.device != last[3]:
+            return None
+        if (_get_current_dispatch_mode() is not None
+                or torch._C._are_functorch_transforms_active()):
+            return None
+        if _GLOBAL_HOOKS is None or _GLOBAL_HOOKS[0] or _GLOBAL_HOOKS[1]:
+            return None
+        maps = last[4]
+        if self.fused_maps() != maps:
+            return None
+        for m in maps:
+            if m._forward_hooks or m._forward_pre_hooks:
+                return None
+        weight, bias, root_weight = self.fused_weights(maps)
+        for t in (weight, bias, root_weight):
+            if t is not None and (type(t) not in PLAIN_TENSORS or t.dtype != x.dtype):
+                return None
+        if self._fused_state(x) != last[5]:
+            return None
+        scale = dropout_scale(x, self.k, self.dropout, self.training)
+        return run_node(last[7], x, self.k, last[6], last[0].num_dst, weight, bias,
+                        root_weight, None, scale)
 
     def explain_edge_mask(self) -> Optional[Tensor]:
         """The edge mask of PyG's explain module as ``propagate`` applies it

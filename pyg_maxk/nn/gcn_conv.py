@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -10,7 +10,7 @@ from torch_geometric.nn.dense.linear import Linear, is_uninitialized_parameter
 from torch_geometric.nn.inits import zeros
 from torch_geometric.typing import Adj, OptTensor
 
-from ..ops import aggregation_dtype, dtype_of, maxk_aggregate_linear
+from ..ops import aggregation_dtype, dtype_of
 from .conv_base import Features, MaxKConv
 
 
@@ -82,6 +82,13 @@ class MaxKGCNConv(MaxKConv):
         self.lin.reset_parameters()
         zeros(self.bias)
 
+    def fused_maps(self) -> tuple:
+        return (self._modules["lin"],)
+
+    def fused_weights(self, maps: tuple) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+        # The bias is the conv's own, added after the aggregation as PyG's.
+        return maps[0].weight, self.bias, None
+
     def graph_options(self) -> dict:
         return {"normalization": "gcn" if self.normalize else "sum",
                 "gcn_improved": self.improved, "gcn_add_self_loops": self.add_self_loops}
@@ -93,6 +100,10 @@ class MaxKGCNConv(MaxKConv):
                              f"does not support bipartite message passing. "
                              f"Please try other layers such as 'MaxKSAGEConv' "
                              f"instead")
+        if edge_weight is None:
+            out = self.repeat_fused_call(x, edge_index)
+            if out is not None:
+                return out
         x, _ = self.split_features(x)
         graph = self.graph_for(edge_index, x, x, None, edge_weight=edge_weight)
         if (isinstance(x, Tensor) and self.k < x.size(1) and x.dtype == self.lin.weight.dtype
@@ -100,8 +111,8 @@ class MaxKGCNConv(MaxKConv):
                 and not torch.is_autocast_enabled(x.device.type)):
             # MaxK, the aggregation and the linear map in one autograd node
             # (the bias in the GEMM's epilogue), as below.
-            return maxk_aggregate_linear(x, self.k, graph, self.lin.weight, self.bias,
-                                         dropout=self.dropout, training=self.training)
+            return self.fused_call(x, graph, edge_index if edge_weight is None else None,
+                                   self.fused_maps())
         agg = self.sparsify_and_aggregate(graph, x)[0]  # [N, F_in]
         if is_uninitialized_parameter(self.lin.weight):  # lazy in_channels=-1
             out = self.lin(agg)

@@ -10,7 +10,7 @@ from torch_geometric.typing import Adj, Size
 
 from ..cbsr import CBSR
 from ..dispatch import cbsr_linear_pays
-from ..ops import cbsr_linear, maxk_aggregate_linear, to_dense
+from ..ops import cbsr_linear, to_dense
 from .conv_base import Features, MaxKConv, PairFeatures, plain_linear
 
 
@@ -86,6 +86,10 @@ class MaxKSAGEConv(MaxKConv):
 
     def forward(self, x: Union[Features, PairFeatures], edge_index: Adj,
                 size: Size = None) -> Tensor:
+        if size is None:
+            out = self.repeat_fused_call(x, edge_index)
+            if out is not None:
+                return F.normalize(out, p=2., dim=-1) if self.normalize else out
         x_src, x_dst = self.split_features(x)
         graph = self.graph_for(edge_index, x_src, x_dst, size)
         root = self.root_weight and x_dst is not None
@@ -95,10 +99,8 @@ class MaxKSAGEConv(MaxKConv):
         dense_root = root and x_dst is x_src and not self.cbsr_root_pays(x_src)
         if (dense_root or not root) and self.fuses_linears(x_src):
             # MaxK, the aggregation and both linear maps in one autograd node.
-            out = maxk_aggregate_linear(
-                x_src, self.k, graph, self.lin_l.weight, self.lin_l.bias,
-                root_weight=self.lin_r.weight if root else None, dropout=self.dropout,
-                training=self.training)
+            maps = (self.lin_l, self.lin_r) if root else (self.lin_l,)
+            out = self.fused_call(x_src, graph, edge_index, maps)
             return F.normalize(out, p=2., dim=-1) if self.normalize else out
         agg, h_src, dense = self.sparsify_and_aggregate(graph, x_src, with_dense=dense_root)
 
@@ -113,6 +115,11 @@ class MaxKSAGEConv(MaxKConv):
         if self.normalize:
             out = F.normalize(out, p=2., dim=-1)
         return out
+
+    def fused_maps(self) -> tuple:
+        modules = self._modules
+        return ((modules["lin_l"], modules["lin_r"]) if self.root_weight
+                else (modules["lin_l"],))
 
     def cbsr_root_pays(self, x: Features) -> bool:
         """Whether the root term of ``x`` (``x_src`` as ``x_dst``) runs as a

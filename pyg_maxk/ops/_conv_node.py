@@ -41,6 +41,15 @@ def maxk_aggregate_linear_eager(x: Tensor, k: int, graph: PackedGraph, num_dst: 
             return None
     if root_scale is not None and root_scale.requires_grad:
         return None
+    return run_node(kernels, x, k, graph, num_dst, weight, bias, root_weight, root_scale, scale)
+
+
+def run_node(kernels: str, x: Tensor, k: int, graph: PackedGraph, num_dst: int,
+             weight: Tensor, bias: Optional[Tensor], root_weight: Optional[Tensor],
+             root_scale: Optional[Tensor], scale: Optional[Tensor]) -> Tensor:
+    """:func:`maxk_aggregate_linear_eager` where its conditions are known to
+    hold, with ``kernels`` the family that runs it
+    (:func:`~._library._eager_kernels`)."""
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or any(
             t is not None and t.requires_grad for t in (bias, root_weight))):
         return _apply(x, weight, bias, root_weight, root_scale, scale, graph, k, num_dst,

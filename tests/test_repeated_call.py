@@ -1,0 +1,160 @@
+"""The remembered one-node call of a conv (``MaxKConv.repeat_fused_call``):
+a repeat equals the first call, and anything that decided the first call
+sends the next one back through the layer's checks."""
+import pytest
+import torch
+
+import pyg_maxk
+from pyg_maxk.app.datasets import power_law_edge_index
+from pyg_maxk.graph import CSRGraph
+from pyg_maxk.nn import MaxKGCNConv, MaxKSAGEConv
+
+N, DIM, K = 60, 24, 6
+
+
+@pytest.fixture
+def graph_and_x():
+    torch.manual_seed(0)
+    ei = power_law_edge_index(N, 240, seed=0)
+    return ei, torch.randn(N, DIM)
+
+
+def _conv(kind, **kwargs):
+    torch.manual_seed(0)
+    return (MaxKSAGEConv(DIM, 16, k=K, **kwargs) if kind == "sage"
+            else MaxKGCNConv(DIM, 16, k=K, **kwargs))
+
+
+def _graph(kind, ei, k=K):
+    normalization = "mean" if kind == "sage" else "gcn"
+    return CSRGraph.from_adj(ei, (N, N), normalization=normalization).prepare(k)
+
+
+def _remembered(conv):
+    return conv.__dict__.get("_last_fused") is not None
+
+
+PLACES = [
+    pytest.param("cpu", "auto", id="cpu"),
+    pytest.param("cpu", "numba", id="sim", marks=pytest.mark.sim),
+    pytest.param("cuda", "auto", id="gpu", marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]),
+]
+
+
+@pytest.mark.parametrize("device,backend", PLACES)
+@pytest.mark.parametrize("kind", ["sage", "gcn"])
+@pytest.mark.parametrize("dropout", [0.0, 0.4])
+def test_a_repeat_equals_the_first_call(kind, dropout, device, backend, graph_and_x):
+    ei, x = graph_and_x
+    ei, x = ei.to(device), x.to(device)
+    conv, g = _conv(kind, dropout=dropout).to(device), _graph(kind, ei)
+    results = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        xs = x.clone().requires_grad_()
+        with pyg_maxk.use_backend(backend):
+            out = conv(xs, g)
+        out.square().sum().backward()
+        results.append((out.detach(), xs.grad, [p.grad.clone() for p in conv.parameters()]))
+        conv.zero_grad()
+        assert _remembered(conv)
+    (o1, g1, p1), (o2, g2, p2) = results
+    assert torch.equal(o1, o2) and torch.equal(g1, g2)
+    assert all(torch.equal(a, b) for a, b in zip(p1, p2))
+
+
+def _calls_through_checks(conv, x, adj):
+    """Whether conv(x, adj) goes through the layer's checks (graph_for)."""
+    seen = []
+    original = conv.graph_for
+
+    def spy(*args, **kwargs):
+        seen.append(1)
+        return original(*args, **kwargs)
+    conv.graph_for = spy
+    try:
+        conv(x, adj)
+    finally:
+        del conv.graph_for
+    return bool(seen)
+
+
+@pytest.mark.parametrize("kind", ["sage", "gcn"])
+def test_the_second_call_skips_the_checks(kind, graph_and_x):
+    ei, x = graph_and_x
+    conv, g = _conv(kind), _graph(kind, ei)
+    assert _calls_through_checks(conv, x, g)
+    assert not _calls_through_checks(conv, x, g)
+
+
+@pytest.mark.parametrize("kind", ["sage", "gcn"])
+@pytest.mark.parametrize("change", [
+    "other graph", "other rows", "other dtype", "eval", "dropout", "k", "hook",
+    "global hook", "module replaced", "backend", "deterministic", "edge_index", "explain"])
+def test_a_change_goes_back_through_the_checks(kind, change, graph_and_x):
+    ei, x = graph_and_x
+    conv, g = _conv(kind), _graph(kind, ei)
+    conv(x, g)
+    assert _remembered(conv)
+    adj, features = g, x
+    undo = None
+    if change == "other graph":
+        adj = _graph(kind, ei.clone())
+        assert adj is not g
+    elif change == "other rows":
+        features = torch.randn(N - 1, DIM)
+    elif change == "other dtype":
+        conv = conv.double()
+        features = x.double()
+    elif change == "eval":
+        conv.eval()
+    elif change == "dropout":
+        conv.dropout = 0.5
+    elif change == "k":
+        conv.k = K + 1
+        adj = g.prepare(K + 1)
+    elif change == "hook":
+        lin = conv.lin_l if kind == "sage" else conv.lin
+        lin.register_forward_hook(lambda *a: None)
+    elif change == "global hook":
+        handle = torch.nn.modules.module.register_module_forward_hook(lambda *a: None)
+        undo = handle.remove
+    elif change == "module replaced":
+        name = "lin_l" if kind == "sage" else "lin"
+        setattr(conv, name, type(getattr(conv, name))(DIM, 16, bias=kind == "sage"))
+    elif change == "backend":
+        ctx = pyg_maxk.use_backend("torch")
+        ctx.__enter__()
+        undo = lambda: ctx.__exit__(None, None, None)  # noqa: E731
+    elif change == "deterministic":
+        torch.use_deterministic_algorithms(True)
+        undo = lambda: torch.use_deterministic_algorithms(False)  # noqa: E731
+    elif change == "edge_index":
+        adj = ei
+    elif change == "explain":
+        conv.explain = True
+        undo = lambda: setattr(conv, "explain", False)  # noqa: E731
+    try:
+        if change == "other rows":
+            with pytest.raises(ValueError):
+                conv(features, adj)
+        else:
+            assert _calls_through_checks(conv, features, adj)
+    finally:
+        if undo is not None:
+            undo()
+
+
+def test_the_remembered_call_is_not_copied_or_pickled(graph_and_x, tmp_path):
+    import copy
+    ei, x = graph_and_x
+    conv, g = _conv("sage"), _graph("sage", ei)
+    conv(x, g)
+    assert _remembered(conv)
+    assert not _remembered(copy.deepcopy(conv))
+    torch.save(conv, tmp_path / "conv.pt")
+    loaded = torch.load(tmp_path / "conv.pt", weights_only=False)
+    assert not _remembered(loaded)
+    assert torch.allclose(loaded(x, g), conv(x, g))
