@@ -158,3 +158,10 @@ def test_the_remembered_call_is_not_copied_or_pickled(graph_and_x, tmp_path):
     loaded = torch.load(tmp_path / "conv.pt", weights_only=False)
     assert not _remembered(loaded)
     assert torch.allclose(loaded(x, g), conv(x, g))
+
+
+def test_a_pair_of_features_is_not_remembered(graph_and_x):
+    ei, x = graph_and_x
+    conv, g = _conv("sage"), _graph("sage", ei)
+    conv((x, x), g)
+    assert not _remembered(conv)

@@ -100,7 +100,8 @@ class MaxKSAGEConv(MaxKConv):
         if (dense_root or not root) and self.fuses_linears(x_src):
             # MaxK, the aggregation and both linear maps in one autograd node.
             maps = (self.lin_l, self.lin_r) if root else (self.lin_l,)
-            out = self.fused_call(x_src, graph, edge_index, maps)
+            # Remembered for plain-tensor features only (a pair's checks differ).
+            out = self.fused_call(x_src, graph, edge_index if x_src is x else None, maps)
             return F.normalize(out, p=2., dim=-1) if self.normalize else out
         agg, h_src, dense = self.sparsify_and_aggregate(graph, x_src, with_dense=dense_root)
 
