@@ -329,13 +329,11 @@ class MaxKConv(MessagePassing):
         :meth:`repeat_fused_call` repeats it without the layer's and the op's
         checks while none of that has changed."""
         weight, bias, root_weight = self.fused_weights(maps)
-        if torch.compiler.is_compiling():  # compiled code keeps no state of its own here
-            return maxk_aggregate_linear(x, self.k, graph, weight, bias,
-                                         root_weight=root_weight, dropout=self.dropout,
-                                         training=self.training)
-        self.__dict__.pop("_last_fused", None)
         out = maxk_aggregate_linear(x, self.k, graph, weight, bias, root_weight=root_weight,
                                     dropout=self.dropout, training=self.training)
+        if torch.compiler.is_compiling():  # compiled code keeps no state of its own here
+            return out
+        self.__dict__.pop("_last_fused", None)
         if adj is graph and not self.explain and isinstance(graph, (CSRGraph, EdgeListGraph)):
             state = self._fused_state(x)
             packed = graph.operands(self.k)
