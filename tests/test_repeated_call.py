@@ -7,9 +7,12 @@ import torch
 import pyg_maxk
 from pyg_maxk.app.datasets import power_law_edge_index
 from pyg_maxk.graph import CSRGraph
-from pyg_maxk.nn import MaxKGCNConv, MaxKSAGEConv
+from pyg_maxk.nn import MaxKGCNConv, MaxKGINConv, MaxKSAGEConv
 
 N, DIM, K = 60, 24, 6
+#: The convs with a one-node call; "gin loops" takes a graph that holds its
+#: root term as self-loops, "gin" adds the term on MaxK's dense output.
+KINDS = ["sage", "gcn", "gin", "gin loops"]
 
 
 @pytest.fixture
@@ -21,13 +24,21 @@ def graph_and_x():
 
 def _conv(kind, **kwargs):
     torch.manual_seed(0)
-    return (MaxKSAGEConv(DIM, 16, k=K, **kwargs) if kind == "sage"
-            else MaxKGCNConv(DIM, 16, k=K, **kwargs))
+    if kind == "sage":
+        return MaxKSAGEConv(DIM, 16, k=K, **kwargs)
+    if kind == "gcn":
+        return MaxKGCNConv(DIM, 16, k=K, **kwargs)
+    return MaxKGINConv(torch.nn.Linear(DIM, 16), k=K, **kwargs)
 
 
 def _graph(kind, ei, k=K):
-    normalization = "mean" if kind == "sage" else "gcn"
-    return CSRGraph.from_adj(ei, (N, N), normalization=normalization).prepare(k)
+    normalization = {"sage": "mean", "gcn": "gcn"}.get(kind, "sum")
+    return CSRGraph.from_adj(ei, (N, N), normalization=normalization,
+                             root_loops=kind == "gin loops").prepare(k)
+
+
+def _linear_name(kind):
+    return {"sage": "lin_l", "gcn": "lin"}.get(kind, "nn")
 
 
 def _remembered(conv):
@@ -44,7 +55,7 @@ PLACES = [
 
 
 @pytest.mark.parametrize("device,backend", PLACES)
-@pytest.mark.parametrize("kind", ["sage", "gcn"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dropout", [0.0, 0.4])
 def test_a_repeat_equals_the_first_call(kind, dropout, device, backend, graph_and_x):
     ei, x = graph_and_x
@@ -81,7 +92,7 @@ def _calls_through_checks(conv, x, adj):
     return bool(seen)
 
 
-@pytest.mark.parametrize("kind", ["sage", "gcn"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_the_second_call_skips_the_checks(kind, graph_and_x):
     ei, x = graph_and_x
     conv, g = _conv(kind), _graph(kind, ei)
@@ -89,7 +100,7 @@ def test_the_second_call_skips_the_checks(kind, graph_and_x):
     assert not _calls_through_checks(conv, x, g)
 
 
-@pytest.mark.parametrize("kind", ["sage", "gcn"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("change", [
     "other graph", "other rows", "other dtype", "eval", "dropout", "k", "hook",
     "global hook", "module replaced", "backend", "deterministic", "edge_index", "explain"])
@@ -116,14 +127,13 @@ def test_a_change_goes_back_through_the_checks(kind, change, graph_and_x):
         conv.k = K + 1
         adj = g.prepare(K + 1)
     elif change == "hook":
-        lin = conv.lin_l if kind == "sage" else conv.lin
-        lin.register_forward_hook(lambda *a: None)
+        getattr(conv, _linear_name(kind)).register_forward_hook(lambda *a: None)
     elif change == "global hook":
         handle = torch.nn.modules.module.register_module_forward_hook(lambda *a: None)
         undo = handle.remove
     elif change == "module replaced":
-        name = "lin_l" if kind == "sage" else "lin"
-        setattr(conv, name, type(getattr(conv, name))(DIM, 16, bias=kind == "sage"))
+        name = _linear_name(kind)
+        setattr(conv, name, type(getattr(conv, name))(DIM, 16, bias=kind != "gcn"))
     elif change == "backend":
         ctx = pyg_maxk.use_backend("torch")
         ctx.__enter__()
@@ -165,3 +175,69 @@ def test_a_pair_of_features_is_not_remembered(graph_and_x):
     conv, g = _conv("sage"), _graph("sage", ei)
     conv((x, x), g)
     assert not _remembered(conv)
+
+
+@pytest.mark.parametrize("kind", ["gin", "gin loops"])
+@pytest.mark.parametrize("change", ["edited", "edited through data", "trained", "replaced"])
+def test_a_changed_eps_goes_back_through_the_checks(kind, change, graph_and_x):
+    # Over root loops eps must stay 0, which the checks enforce; the dense
+    # root term reads eps on every call, but its gradient or type decide.
+    ei, x = graph_and_x
+    conv, g = _conv(kind), _graph(kind, ei)
+    conv(x, g)
+    assert _remembered(conv)
+    if change == "edited":
+        with torch.no_grad():
+            conv.eps.fill_(0.5)
+    elif change == "edited through data":  # no version counter sees it
+        conv.eps.data.fill_(0.5)
+    elif change == "trained":
+        conv.eps.requires_grad_()
+    else:
+        conv.eps = torch.full((1,), 0.5)
+    if kind == "gin loops":
+        with pytest.raises(ValueError, match="root term as self-loops"):
+            conv(x, g)
+    else:
+        assert _calls_through_checks(conv, x, g)
+
+
+def test_a_repeat_reads_eps_anew(graph_and_x):
+    # The dense root term's 1 + eps is computed per call, from eps as it is.
+    ei, x = graph_and_x
+    conv, g, reference = _conv("gin"), _graph("gin", ei), _conv("gin")
+    conv(x, g)
+    with torch.no_grad():
+        conv.eps.fill_(0.5)
+        reference.eps.fill_(0.5)
+    conv(x, g)
+    assert _remembered(conv) and not _calls_through_checks(conv, x, g)
+    torch.testing.assert_close(conv(x, g), reference(x, ei))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_repeat_over_root_loops_checks_eps_on_the_gpu():
+    # eps edited through .data: the repeated call, like the first, asserts
+    # eps = 0 on the device (a fresh process: the assert ends its context).
+    import subprocess
+    import sys
+    code = ("import torch\n"
+            "from pyg_maxk import CSRGraph\n"
+            "from pyg_maxk.nn import MaxKGINConv\n"
+            "conv = MaxKGINConv(torch.nn.Linear(16, 8), k=4).cuda()\n"
+            "ei = torch.randint(0, 50, (2, 200), device='cuda')\n"
+            "g = CSRGraph.from_adj(ei, (50, 50), root_loops=True).prepare(4)\n"
+            "x = torch.randn(50, 16, device='cuda')\n"
+            "for _ in range(3):\n"
+            "    conv(x, g)\n"
+            "torch.cuda.synchronize()\n"
+            "assert conv.__dict__.get('_last_fused') is not None\n"
+            "conv.eps.data.fill_(0.5)\n"
+            "conv(x, g)\n"
+            "torch.cuda.synchronize()\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode != 0
+    assert "AssertionError" not in result.stderr, result.stderr[-2000:]
+    assert "device-side assert" in result.stderr or "eps changed" in result.stderr

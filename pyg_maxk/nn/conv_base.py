@@ -321,23 +321,26 @@ class MaxKConv(MessagePassing):
                       normalization=normalization, dtype=dtype, **options)
 
     # ------------------------------------------------ the repeated fused call
-    def fused_call(self, x: Tensor, graph: Graph, adj: Any, maps: tuple) -> Tensor:
+    def fused_call(self, x: Tensor, graph: Graph, adj: Any, maps: tuple,
+                   root_scale: Optional[Tensor] = None) -> Tensor:
         """:func:`maxk_aggregate_linear` of ``x`` over ``graph`` with ``maps``
-        (the aggregation's linear map, then the root term's, if any). Where
-        it runs as one autograd node on a prepared graph passed as ``adj``,
-        the call is remembered with everything that decided it, and
+        (the aggregation's linear map, then the root term's, if any) and
+        ``root_scale`` (:meth:`root_scale_for` the graph). Where it runs as
+        one autograd node on a prepared graph passed as ``adj``, the call is
+        remembered with everything that decided it, and
         :meth:`repeat_fused_call` repeats it without the layer's and the op's
         checks while none of that has changed."""
         weight, bias, root_weight = self.fused_weights(maps)
         out = maxk_aggregate_linear(x, self.k, graph, weight, bias, root_weight=root_weight,
-                                    dropout=self.dropout, training=self.training)
+                                    root_scale=root_scale, dropout=self.dropout,
+                                    training=self.training)
         if torch.compiler.is_compiling():  # compiled code keeps no state of its own here
             return out
         self.__dict__.pop("_last_fused", None)
         if adj is graph and not self.explain and isinstance(graph, (CSRGraph, EdgeListGraph)):
             state = self._fused_state(x)
             packed = graph.operands(self.k)
-            kernels = _eager_kernels(x, self.k, packed, None, state[-1])
+            kernels = _eager_kernels(x, self.k, packed, None, state[0])
             if kernels is not None:
                 self.__dict__["_last_fused"] = (graph, x.shape, x.dtype, x.device, maps, state,
                                                 packed, kernels)
@@ -357,12 +360,23 @@ class MaxKConv(MessagePassing):
         (by default the first map's weight and bias, the second's weight)."""
         return maps[0].weight, maps[0].bias, (maps[1].weight if len(maps) > 1 else None)
 
+    def fused_conditions(self, x: Tensor) -> tuple:
+        """What else of this conv decides its one-node call on ``x``, beyond
+        what :meth:`repeat_fused_call` checks for every conv (none here)."""
+        return ()
+
+    def root_scale_for(self, graph: Graph) -> Optional[Tensor]:
+        """The ``root_scale`` of this conv's one-node call over ``graph`` (the
+        root term's multiple of MaxK's output; None: no such term)."""
+        return None
+
     def _fused_state(self, x: Tensor) -> tuple:
-        """What else decides the one-node call (the backend last)."""
-        return (self.training, self.dropout, self.k, self.explain,
+        """What decides the one-node call, besides the graph, the features'
+        kind and the modules (the backend first)."""
+        return (get_backend(), self.training, self.dropout, self.k, self.explain,
                 torch.is_autocast_enabled(x.device.type),
                 torch.are_deterministic_algorithms_enabled(), half_reductions_allowed(),
-                get_backend())
+                self.fused_conditions(x))
 
     def repeat_fused_call(self, x: Any, adj: Any) -> Optional[Tensor]:
         """The one-node call that :meth:`fused_call` remembered, for the same
@@ -392,9 +406,10 @@ class MaxKConv(MessagePassing):
                 return None
         if self._fused_state(x) != last[5]:
             return None
+        root_scale = self.root_scale_for(last[0])
         scale = dropout_scale(x, self.k, self.dropout, self.training)
         return run_node(last[7], x, self.k, last[6], last[0].num_dst, weight, bias,
-                        root_weight, None, scale)
+                        root_weight, root_scale, scale)
 
     def explain_edge_mask(self) -> Optional[Tensor]:
         """The edge mask of PyG's explain module as ``propagate`` applies it

@@ -10,7 +10,6 @@ from torch_geometric.typing import Adj, Size
 
 from ..dispatch import dense_root_pays, root_loops_pay
 from ..graph import CSRGraph, is_torch_sparse
-from ..ops import maxk_aggregate_linear
 from .conv_base import Features, Graph, MaxKConv, PairFeatures, plain_linear
 
 #: Host copies of CUDA tensors' values (:func:`host_value`), by ``id``:
@@ -139,17 +138,22 @@ class MaxKGINConv(MaxKConv):
 
     def forward(self, x: Union[Features, PairFeatures], edge_index: Adj,
                 size: Size = None) -> Tensor:
+        if size is None:
+            out = self.repeat_fused_call(x, edge_index)
+            if out is not None:
+                return out
         x_src, x_dst = self.split_features(x)
         graph = self.graph_for(edge_index, x_src, x_dst, size)
+        # Remembered for plain-tensor features only (a pair's checks differ).
+        adj = edge_index if x_src is x else None
         if graph.root_loops:  # the root term is among the edges
-            if self.eps.is_cuda:  # host_value misses edits through .data
-                torch._assert_async(self.eps == 0, _EPS_EDITED)
+            self.root_scale_for(graph)  # checks eps
             if self.fuses_nn(x_src):
-                return self.maxk_aggregate_nn(graph, x_src)
+                return self.fused_call(x_src, graph, adj, (self.nn,))
             return self.nn(self.sparsify_and_aggregate(graph, x_src)[0])
         dense_root = x_dst is x_src and self.dense_root_pays(x_src)
         if dense_root and not self.eps.requires_grad and self.fuses_nn(x_src):
-            return self.maxk_aggregate_nn(graph, x_src, root_scale=1 + self.eps)
+            return self.fused_call(x_src, graph, adj, (self.nn,), self.root_scale_for(graph))
         out, h_src, dense = self.sparsify_and_aggregate(graph, x_src, with_dense=dense_root)
         if dense_root:
             out = out.addcmul_(dense, 1 + self.eps)  # out is fresh
@@ -158,6 +162,28 @@ class MaxKGINConv(MaxKConv):
             out = h_dst.add_to(out, 1 + self.eps, inplace=True)  # out is fresh
         return self.nn(out)
 
+    def fused_maps(self) -> tuple:
+        return (self._modules["nn"],)
+
+    def fused_conditions(self, x: Tensor) -> tuple:
+        # eps decides between the root loops and the dense root term, and
+        # the loops' check: its identity, version, storage and gradient (a
+        # CPU eps by value, which an edit through .data changes unseen).
+        eps = self.eps
+        grad = eps.requires_grad
+        return (id(eps), eps._version, eps.data_ptr(), grad, eps.dtype,
+                float(eps) if eps.device.type == "cpu" and not grad else None)
+
+    def root_scale_for(self, graph: Graph) -> Optional[Tensor]:
+        """``1 + eps``, or None over a graph that holds the root term as
+        self-loops, which needs ``eps = 0``: a GPU's is checked on the device
+        (:func:`host_value` misses edits through ``.data``)."""
+        if not graph.root_loops:
+            return 1 + self.eps
+        if self.eps.is_cuda:
+            torch._assert_async(self.eps == 0, _EPS_EDITED)
+        return None
+
     def fuses_nn(self, x: Features) -> bool:
         """Whether :math:`h_{\\mathbf{\\Theta}}` runs in one op with MaxK and
         the aggregation of ``x`` (:func:`pyg_maxk.ops.maxk_aggregate_linear`):
@@ -165,14 +191,6 @@ class MaxKGINConv(MaxKConv):
         network that is one plain linear map (:func:`.conv_base.plain_linear`)."""
         return (isinstance(x, Tensor) and self.k < x.size(1)
                 and not torch.is_autocast_enabled(x.device.type) and plain_linear(self.nn, x.dtype))
-
-    def maxk_aggregate_nn(self, graph: Graph, x: Tensor, root_scale: Optional[Tensor] = None
-                          ) -> Tensor:
-        """:math:`h_{\\mathbf{\\Theta}}` of the aggregation (plus ``root_scale``
-        times the MaxK of ``x``), where :meth:`fuses_nn`."""
-        return maxk_aggregate_linear(x, self.k, graph, self.nn.weight, self.nn.bias,
-                                     root_scale=root_scale, dropout=self.dropout,
-                                     training=self.training)
 
     def dense_root_pays(self, x: Features) -> bool:
         """Whether the root term of ``x`` (``x_src`` as ``x_dst``) is added on
