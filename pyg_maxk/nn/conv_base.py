@@ -326,8 +326,9 @@ class MaxKConv(MessagePassing):
         """:func:`maxk_aggregate_linear` of ``x`` over ``graph`` with ``maps``
         (the aggregation's linear map, then the root term's, if any) and
         ``root_scale`` (:meth:`root_scale_for` the graph). Where it runs as
-        one autograd node on a prepared graph passed as ``adj``, the call is
-        remembered with everything that decided it, and
+        one autograd node on a prepared graph passed as ``adj`` (from the
+        graph's second call on), the call is remembered with everything that
+        decided it, and
         :meth:`repeat_fused_call` repeats it without the layer's and the op's
         checks while none of that has changed."""
         weight, bias, root_weight = self.fused_weights(maps)
@@ -336,8 +337,13 @@ class MaxKConv(MessagePassing):
                                     training=self.training)
         if torch.compiler.is_compiling():  # compiled code keeps no state of its own here
             return out
-        self.__dict__.pop("_last_fused", None)
+        last = self.__dict__.pop("_last_fused", None)
         if adj is graph and not self.explain and isinstance(graph, (CSRGraph, EdgeListGraph)):
+            if last is None or last[0] is not graph:
+                # A graph's first call is only noted: a new graph per step
+                # never repeats, and remembering costs host time.
+                self.__dict__["_last_fused"] = (graph,)
+                return out
             state = self._fused_state(x)
             packed = graph.operands(self.k)
             kernels = _eager_kernels(x, self.k, packed, None, state[0])
@@ -385,7 +391,7 @@ class MaxKConv(MessagePassing):
         if torch.compiler.is_compiling():  # first: dynamo then traces none of the rest
             return None
         last = self.__dict__.get("_last_fused")
-        if last is None or adj is not last[0] or type(x) not in PLAIN_TENSORS:
+        if last is None or adj is not last[0] or len(last) == 1 or type(x) not in PLAIN_TENSORS:
             return None
         if x.shape != last[1] or x.dtype != last[2] or x.device != last[3]:
             return None
