@@ -175,6 +175,19 @@ def test_a_change_goes_back_through_the_checks(kind, change, graph_and_x):
             undo()
 
 
+def test_rebuilt_operands_go_back_through_the_checks(graph_and_x):
+    # A graph cache settles a graph it serves often: new operands, whose
+    # schedule the repeat must not miss.
+    from pyg_maxk.graph.schedule import max_edges_per_item
+    ei, x = graph_and_x
+    conv, g = _conv("sage"), _graph("sage", ei)
+    _warm(conv, x, g)
+    g._unscheduled = None
+    g._build_operands(max_edges_per_item(K))
+    assert _calls_through_checks(conv, x, g)
+    assert conv.__dict__["_last_fused"][6] is g.operands(K)
+
+
 def test_the_remembered_call_is_not_copied_or_pickled(graph_and_x, tmp_path):
     import copy
     ei, x = graph_and_x

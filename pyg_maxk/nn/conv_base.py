@@ -412,6 +412,8 @@ class MaxKConv(MessagePassing):
                 return None
         if self._fused_state(x) != last[5]:
             return None
+        if last[0].operands(self.k) is not last[6]:  # rebuilt (a settled schedule)
+            return None
         root_scale = self.root_scale_for(last[0])
         scale = dropout_scale(x, self.k, self.dropout, self.training)
         return run_node(last[7], x, self.k, last[6], last[0].num_dst, weight, bias,
