@@ -175,6 +175,20 @@ def test_a_change_goes_back_through_the_checks(kind, change, graph_and_x):
             undo()
 
 
+@pytest.mark.parametrize("kind,option,value", [
+    ("gcn", "improved", True), ("gcn", "add_self_loops", False), ("gcn", "normalize", False),
+    ("sage", "aggr", "add")])
+def test_a_changed_graph_option_meets_the_graph_check(kind, option, value, graph_and_x):
+    # Options that decide the graph a conv needs: a prepared graph built for
+    # the old ones is refused, as on a first call.
+    ei, x = graph_and_x
+    conv, g = _conv(kind), _graph(kind, ei)
+    _warm(conv, x, g)
+    setattr(conv, option, value)
+    with pytest.raises(ValueError):
+        conv(x, g)
+
+
 def test_rebuilt_operands_go_back_through_the_checks(graph_and_x):
     # A graph cache settles a graph it serves often: new operands, whose
     # schedule the repeat must not miss.

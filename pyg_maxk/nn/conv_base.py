@@ -382,7 +382,7 @@ class MaxKConv(MessagePassing):
         return (get_backend(), self.training, self.dropout, self.k, self.explain,
                 torch.is_autocast_enabled(x.device.type),
                 torch.are_deterministic_algorithms_enabled(), half_reductions_allowed(),
-                self.fused_conditions(x))
+                self.graph_options(), self.fused_conditions(x))
 
     def repeat_fused_call(self, x: Any, adj: Any) -> Optional[Tensor]:
         """The one-node call that :meth:`fused_call` remembered, for the same
