@@ -18,6 +18,7 @@ from ..dispatch import get_backend, half_reductions_allowed
 from ..graph import (
     CSRGraph,
     EdgeListGraph,
+    PackedGraph,
     edge_list_graph,
     graph_with_edge_values,
     is_edge_index_type,
@@ -153,6 +154,18 @@ def _adj_device(adj: Any) -> torch.device:
     if is_sparse_tensor(adj):
         return adj.device()
     return adj.device
+
+
+_PREPARED = (CSRGraph, EdgeListGraph)
+
+
+def graph_kind(graph: Graph) -> tuple:
+    """What of a prepared graph the layer's checks and the one-node call's
+    decisions read, besides its operands: its type, sizes, device, the
+    normalisation its edge values hold and GIN's root loops. Graphs of
+    one kind (a new graph per step of the same sizes) take the same path."""
+    return (type(graph), graph.num_src, graph.num_dst, graph.device, graph.normalization,
+            graph.gcn_options, graph.root_loops)
 
 
 class MaxKConv(MessagePassing):
@@ -326,30 +339,25 @@ class MaxKConv(MessagePassing):
         """:func:`maxk_aggregate_linear` of ``x`` over ``graph`` with ``maps``
         (the aggregation's linear map, then the root term's, if any) and
         ``root_scale`` (:meth:`root_scale_for` the graph). Where it runs as
-        one autograd node on a prepared graph passed as ``adj`` (from the
-        graph's second call on), the call is remembered with everything that
-        decided it, and
-        :meth:`repeat_fused_call` repeats it without the layer's and the op's
-        checks while none of that has changed."""
+        one autograd node on a prepared graph passed as ``adj``, the call is
+        remembered with everything that decided it, and
+        :meth:`repeat_fused_call` repeats it, on that graph or another of
+        its kind, without the layer's and the op's checks while none of
+        that has changed."""
         weight, bias, root_weight = self.fused_weights(maps)
         out = maxk_aggregate_linear(x, self.k, graph, weight, bias, root_weight=root_weight,
                                     root_scale=root_scale, dropout=self.dropout,
                                     training=self.training)
         if torch.compiler.is_compiling():  # compiled code keeps no state of its own here
             return out
-        last = self.__dict__.pop("_last_fused", None)
-        if adj is graph and not self.explain and isinstance(graph, (CSRGraph, EdgeListGraph)):
-            if last is None or last[0] is not graph:
-                # A graph's first call is only noted: a new graph per step
-                # never repeats, and remembering costs host time.
-                self.__dict__["_last_fused"] = (graph,)
-                return out
+        self.__dict__.pop("_last_fused", None)
+        if adj is graph and not self.explain and isinstance(graph, _PREPARED):
             state = self._fused_state(x)
             packed = graph.operands(self.k)
             kernels = _eager_kernels(x, self.k, packed, None, state[0])
             if kernels is not None:
                 self.__dict__["_last_fused"] = (graph, x.shape, x.dtype, x.device, maps, state,
-                                                packed, kernels)
+                                                packed, kernels, graph_kind(graph))
         return out
 
     def fused_maps(self) -> tuple:
@@ -386,12 +394,13 @@ class MaxKConv(MessagePassing):
 
     def repeat_fused_call(self, x: Any, adj: Any) -> Optional[Tensor]:
         """The one-node call that :meth:`fused_call` remembered, for the same
-        prepared graph and features of the same shape, type and device,
-        where nothing else that decided it has changed; None otherwise."""
+        prepared graph or one of its kind (:func:`graph_kind`: a new graph
+        per step) and features of the same shape, type and device, where
+        nothing else that decided it has changed; None otherwise."""
         if torch.compiler.is_compiling():  # first: dynamo then traces none of the rest
             return None
         last = self.__dict__.get("_last_fused")
-        if last is None or adj is not last[0] or len(last) == 1 or type(x) not in PLAIN_TENSORS:
+        if last is None or type(x) not in PLAIN_TENSORS:
             return None
         if x.shape != last[1] or x.dtype != last[2] or x.device != last[3]:
             return None
@@ -412,12 +421,32 @@ class MaxKConv(MessagePassing):
                 return None
         if self._fused_state(x) != last[5]:
             return None
-        if last[0].operands(self.k) is not last[6]:  # rebuilt (a settled schedule)
+        packed = self._repeat_operands(adj, last)
+        if packed is None:
             return None
-        root_scale = self.root_scale_for(last[0])
+        root_scale = self.root_scale_for(adj)
         scale = dropout_scale(x, self.k, self.dropout, self.training)
-        return run_node(last[7], x, self.k, last[6], last[0].num_dst, weight, bias,
-                        root_weight, root_scale, scale)
+        return run_node(last[7], x, self.k, packed, adj.num_dst, weight, bias, root_weight,
+                        root_scale, scale)
+
+    def _repeat_operands(self, adj: Any, last: tuple) -> Optional[PackedGraph]:
+        """The operands of ``adj`` for a repeat of the call ``last``: its
+        own, where it is that call's graph and they are the ones it had (a
+        graph that the cache settles gets new ones), or another graph's of
+        its kind, built for this ``k`` and with fixed edge values (the call
+        is then remembered on it); None otherwise."""
+        if adj is last[0]:
+            packed = adj.operands(self.k)
+            return packed if packed is last[6] else None
+        if type(adj) not in _PREPARED or graph_kind(adj) != last[8]:
+            return None
+        if not adj.has_operands(self.k):
+            return None
+        packed = adj.operands(self.k)
+        if packed.weight is not None or packed.weight_t is not None:
+            return None
+        self.__dict__["_last_fused"] = (adj, *last[1:6], packed, *last[7:])
+        return packed
 
     def explain_edge_mask(self) -> Optional[Tensor]:
         """The edge mask of PyG's explain module as ``propagate`` applies it
