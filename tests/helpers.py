@@ -2,7 +2,7 @@
 file): random graphs in every adjacency form, the stock-vs-MaxK comparison
 the layer contract is written in, the layer pairs it compares, and the checks
 of the kernels against float64 references that the simulator and GPU tests
-share."""
+share, and the check of a device-side assert in a fresh process."""
 from __future__ import annotations
 
 import warnings
@@ -395,3 +395,16 @@ def sparse_tensor_on_cuda_or_skip():
     except RuntimeError as err:  # e.g. a CPU-only torch_sparse build
         pytest.skip(f"torch_sparse has no CUDA ops here ({err})")
 
+
+def assert_device_side_assert(code: str, message: str) -> None:
+    """Run ``code`` in a fresh Python process (a device-side assert ends its
+    CUDA context) and check that it failed there, on a device-side assert
+    or ``message``, and not on an assertion of its own."""
+    import subprocess
+    import sys
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode != 0
+    assert "AssertionError" not in result.stderr, result.stderr[-2000:]
+    assert "device-side assert" in result.stderr or message in result.stderr, \
+        result.stderr[-2000:]

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import pyg_maxk
+from helpers import assert_device_side_assert
 from pyg_maxk.app.datasets import power_law_edge_index
 from pyg_maxk.graph import CSRGraph
 from pyg_maxk.nn import MaxKGCNConv, MaxKGINConv, MaxKSAGEConv
@@ -330,8 +331,6 @@ def test_a_repeat_reads_eps_anew(graph_and_x):
 def test_a_repeat_over_root_loops_checks_eps_on_the_gpu():
     # eps edited through .data: the repeated call, like the first, asserts
     # eps = 0 on the device (a fresh process: the assert ends its context).
-    import subprocess
-    import sys
     code = ("import torch\n"
             "from pyg_maxk import CSRGraph\n"
             "from pyg_maxk.nn import MaxKGINConv\n"
@@ -342,12 +341,8 @@ def test_a_repeat_over_root_loops_checks_eps_on_the_gpu():
             "for _ in range(3):\n"
             "    conv(x, g)\n"
             "torch.cuda.synchronize()\n"
-            "assert len(conv.__dict__['_last_fused']) > 1\n"
+            "assert conv.__dict__.get('_last_fused') is not None\n"
             "conv.eps.data.fill_(0.5)\n"
             "conv(x, g)\n"
             "torch.cuda.synchronize()\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode != 0
-    assert "AssertionError" not in result.stderr, result.stderr[-2000:]
-    assert "device-side assert" in result.stderr or "eps changed" in result.stderr
+    assert_device_side_assert(code, "eps changed")
