@@ -246,7 +246,7 @@ class MaxKConv(MessagePassing):
                      size: Optional[Tuple[Optional[int], Optional[int]]]) -> Tuple[int, int]:
         """``(num_src, num_dst)`` as :class:`MessagePassing` infers it,
         raising on any disagreement between ``adj``, ``size`` and ``x``."""
-        if isinstance(adj, (CSRGraph, EdgeListGraph)):
+        if isinstance(adj, _PREPARED):
             sizes = [adj.num_src, adj.num_dst]
         elif is_sparse_tensor(adj) or is_torch_sparse(adj):
             sizes = [int(adj.size(1)), int(adj.size(0))]
@@ -313,7 +313,7 @@ class MaxKConv(MessagePassing):
         mask = self.explain_edge_mask()
         dtype = torch.float64 if x_src.dtype == torch.float64 else torch.float32
         if mask is not None or _learnable(edge_weight) or _learnable_values(adj, options):
-            if isinstance(adj, (CSRGraph, EdgeListGraph)):
+            if isinstance(adj, _PREPARED):
                 raise NotImplementedError(
                     f"{self.__class__.__name__} applies an explain edge mask or learnable "
                     f"edge weights to an edge_index or sparse adjacency, not to a prepared "
@@ -325,7 +325,7 @@ class MaxKConv(MessagePassing):
                                            options.get("gcn_add_self_loops", True), dtype,
                                            _kept(x_src, self.k),
                                            getattr(self, "_loop_mask", None))
-        if isinstance(adj, (CSRGraph, EdgeListGraph)):
+        if isinstance(adj, _PREPARED):
             self._check_prepared(adj, normalization, edge_weight, options)
             k = _kept(x_src, self.k)
             return adj if k is None or adj.has_operands(k) else _prepare(adj, k)
