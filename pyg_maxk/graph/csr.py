@@ -6,6 +6,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Dict, Optional, Tuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -23,7 +24,7 @@ from .cache import _CACHE, fingerprint, graph_params
 from .operands import (
     GraphOperands,
     PackedGraph,
-    allocate,
+    allocate_on_cpu,
     layout_numel,
     pack,
     without_weights,
@@ -103,6 +104,14 @@ def _mean_on_cpu(rowptr: Tensor, weight: Optional[Tensor], num_edges: int,
     return values, inverse_degree
 
 
+#: Arrays of each CPU type that stand for one a kernel does not read.
+_UNSET = {torch.float32: np.empty(0, np.float32), torch.float64: np.empty(0, np.float64)}
+
+
+def _or(array: Optional[np.ndarray], unset: np.ndarray) -> np.ndarray:
+    return unset if array is None else array
+
+
 def _csr_on_cpu(src: Tensor, dst: Tensor, edge_weight: Optional[Tensor],
                 size: Tuple[int, int], normalization: str, dtype: torch.dtype) -> "CSRGraph":
     """The graph of a CPU edge list with its operands, in one kernel call
@@ -119,28 +128,25 @@ def _csr_on_cpu(src: Tensor, dst: Tensor, edge_weight: Optional[Tensor],
     weighted, mean = edge_weight is not None, normalization == "mean"
     values = dtype if weighted or mean else None
     scales = dtype if mean and not weighted else None
-    buffer, layout, views = allocate(
+    buffer, layout, views, arrays = allocate_on_cpu(
         (index, index, values, scales, None, None, None, None, None, index, index, values, None),
-        [num_dst, num_edges, 0, 0, num_src], dst.device)
-    order = torch.empty(num_edges, dtype=torch.int64)
-    order_t = torch.empty(num_edges, dtype=torch.int64)
-    unset = torch.empty(0, dtype=dtype).numpy()  # stands for an array not read
+        [num_dst, num_edges, 0, 0, num_src])
+    order = np.empty(num_edges, np.int64)
+    order_t = np.empty(num_edges, np.int64)
+    unset = _UNSET[dtype]  # stands for an array not read
     weight = edge_weight.detach().to(dtype).contiguous().numpy() if weighted else unset
-
-    def array(t: Optional[Tensor]):
-        return unset if t is None else t.numpy()
     bad, is_target, is_sorted = csr_of_edge_list(
         src.contiguous().numpy(), dst.contiguous().numpy(), weight, weighted, mean,
-        views.rowptr.numpy(), views.col.numpy(), order.numpy(), array(views.weight),
-        values is not None, array(views.row_scale), scales is not None,
-        views.colptr.numpy(), views.row_t.numpy(), array(views.weight_t), order_t.numpy())
+        arrays.rowptr, arrays.col, order, _or(arrays.weight, unset), values is not None,
+        _or(arrays.row_scale, unset), scales is not None, arrays.colptr, arrays.row_t,
+        _or(arrays.weight_t, unset), order_t)
     if bad >= 0:
         _raise_out_of_range(src, dst, num_src, num_dst, bad, is_target)
     graph = CSRGraph(views.rowptr, views.col, views.weight, size, normalization,
                      views.row_scale)
-    graph.edge_order = None if is_sorted else order
+    graph.edge_order = None if is_sorted else torch.from_numpy(order)
     graph._transposed = (views.colptr, views.row_t, views.weight_t)
-    graph._transpose_order = order_t
+    graph._transpose_order = torch.from_numpy(order_t)
     graph._unscheduled = PackedGraph(buffer, None, None, layout)
     return graph
 
@@ -366,7 +372,7 @@ class CSRGraph:
         cached = self._operands.get(max_edges_per_item(k))
         if cached is not None:
             return cached
-        return _build_operands_eagerly(self, max_edges_per_item(k), False)
+        return _build_operands_outside_compile(self, max_edges_per_item(k), False)
 
     def operands_without_sync(self, k: int) -> PackedGraph:
         """:meth:`operands`, built with the bounded work schedule where the
@@ -377,7 +383,7 @@ class CSRGraph:
         if cached is not None:
             return cached
         bounded = self.device.type == "cuda" and self.num_edges < BOUNDED_MAX_EDGES
-        return _build_operands_eagerly(self, max_edges_per_item(k), bounded)
+        return _build_operands_outside_compile(self, max_edges_per_item(k), bounded)
 
     def has_operands(self, k: int) -> bool:
         """Whether operands for ``k`` are built, with either schedule."""
@@ -691,6 +697,15 @@ def _build_operands_eagerly(graph: CSRGraph, max_edges: int, bounded: bool) -> P
     # The schedule's sizes depend on the degrees (or, bounded, on the
     # graph's shape): built outside any compiled graph (a graph break where
     # the graph was not prepared for this k).
+    return graph._build_operands(max_edges, bounded)
+
+
+def _build_operands_outside_compile(graph: CSRGraph, max_edges: int,
+                                    bounded: bool) -> PackedGraph:
+    """:func:`_build_operands_eagerly`, whose wrapper eager calls skip (a new
+    graph per batch builds its operands on every step)."""
+    if torch.compiler.is_compiling():
+        return _build_operands_eagerly(graph, max_edges, bounded)
     return graph._build_operands(max_edges, bounded)
 
 

@@ -3,8 +3,10 @@ into one byte buffer as the custom ops take them (:class:`PackedGraph`),
 and the views that give them back (:func:`unpack`)."""
 from __future__ import annotations
 
+import functools
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -116,15 +118,21 @@ def _layout_sizes(g: GraphOperands) -> List[int]:
             length(g.colptr, 1)]
 
 
-_Placement = List[Tuple[int, int, int, torch.dtype]]  # (field, offset, bytes, type)
+_Placement = Tuple[Tuple[int, int, int, torch.dtype], ...]  # (field, offset, bytes, type)
 
 
-def _placement(dtypes: Sequence[Optional[torch.dtype]], sizes: List[int]
+def _placement(dtypes: Sequence[Optional[torch.dtype]], sizes: Sequence[int]
                ) -> Tuple[int, _Placement, int]:
     """``(flags, placement, bytes)`` of a buffer of the fields whose type is
     given in ``dtypes`` (None: absent), with lengths from ``sizes``."""
+    return _placement_of(tuple(dtypes), tuple(sizes))
+
+
+@functools.lru_cache(maxsize=256)  # new graphs of one shape share it
+def _placement_of(dtypes: Tuple[Optional[torch.dtype], ...], sizes: Tuple[int, ...]
+                  ) -> Tuple[int, _Placement, int]:
     flags = 0
-    fields: _Placement = []
+    fields = []
     offset = 0
     for i, dtype in enumerate(dtypes):
         if dtype is None:
@@ -134,31 +142,48 @@ def _placement(dtypes: Sequence[Optional[torch.dtype]], sizes: List[int]
         nbytes = (sizes[size] + plus) * dtype.itemsize
         fields.append((i, offset, nbytes, dtype))
         offset += _padded(nbytes)
-    return flags, fields, offset
+    return flags, tuple(fields), offset
 
 
-def _attach_views(buffer: Tensor, flags: int, fields: _Placement) -> GraphOperands:
-    """The views of ``buffer``'s fields, kept on the buffer itself:
-    :func:`unpack`'s eager shortcut, alive exactly as long as the buffer
-    (they hold its storage, not the buffer)."""
+def _attach_views(buffer: Tensor, flags: int, fields: _Placement,
+                  views: Optional[Sequence[Tensor]] = None) -> GraphOperands:
+    """The views of ``buffer``'s fields (``views``: made already, one per
+    field), kept on the buffer itself: :func:`unpack`'s eager shortcut,
+    alive exactly as long as the buffer (they hold its memory, not the
+    buffer)."""
     found: List[Optional[Tensor]] = [None] * len(GRAPH_FIELDS)
-    for i, at, nbytes, dtype in fields:
-        found[i] = buffer[at:at + nbytes].view(dtype)
-    views = GraphOperands(*found)
-    setattr(buffer, _VIEWS_ATTR, _Views(views, flags))
-    return views
+    for j, (i, at, nbytes, dtype) in enumerate(fields):
+        found[i] = buffer[at:at + nbytes].view(dtype) if views is None else views[j]
+    operands = GraphOperands(*found)
+    setattr(buffer, _VIEWS_ATTR, _Views(operands, flags))
+    return operands
 
 
-def allocate(dtypes: Sequence[Optional[torch.dtype]], sizes: List[int],
-             device: torch.device) -> Tuple[Tensor, List[int], GraphOperands]:
-    """An unset buffer for the fields of :data:`GRAPH_FIELDS` whose type is
-    given in ``dtypes`` (None: absent), with lengths from ``sizes``
-    (:data:`LAYOUT_SIZES`): ``(buffer, layout, views)``, the views being the
-    fields to write. A graph built on the CPU writes its arrays there in
-    place, with no copy into a buffer afterwards."""
+def allocate_on_cpu(dtypes: Sequence[Optional[torch.dtype]], sizes: List[int]
+                    ) -> Tuple[Tensor, List[int], GraphOperands, GraphOperands]:
+    """An unset CPU buffer for the fields of :data:`GRAPH_FIELDS` whose type
+    is given in ``dtypes`` (None: absent), with lengths from ``sizes``
+    (:data:`LAYOUT_SIZES`): ``(buffer, layout, views, arrays)``, the views
+    being the fields to write and ``arrays`` the same memory as numpy
+    arrays (what the CPU kernels take). A graph built on the CPU writes its
+    arrays there in place, with no copy into a buffer afterwards. The
+    memory is numpy's, which the buffer and the views share: slicing it is
+    cheaper than slicing a tensor, and nothing in it refers back to the
+    buffer (whose attribute holds the views)."""
     flags, fields, nbytes = _placement(dtypes, sizes)
-    buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    return buffer, [flags, *sizes], _attach_views(buffer, flags, fields)
+    memory = np.empty(nbytes, np.uint8)
+    found: List[Optional[np.ndarray]] = [None] * len(GRAPH_FIELDS)
+    views = []
+    for i, at, size, dtype in fields:
+        found[i] = memory[at:at + size].view(_NUMPY_TYPES[dtype])
+        views.append(torch.from_numpy(found[i]))
+    buffer = torch.from_numpy(memory)
+    return (buffer, [flags, *sizes], _attach_views(buffer, flags, fields, views),
+            GraphOperands(*found))
+
+
+_NUMPY_TYPES = {torch.int32: np.int32, torch.int64: np.int64, torch.uint8: np.uint8,
+                torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
 
 
 def pack(g: GraphOperands) -> Tuple[PackedGraph, GraphOperands]:

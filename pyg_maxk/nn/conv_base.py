@@ -19,6 +19,7 @@ from ..graph import (
     CSRGraph,
     EdgeListGraph,
     PackedGraph,
+    edge_list,
     edge_list_graph,
     graph_with_edge_values,
     is_edge_index_type,
@@ -76,12 +77,16 @@ def _cached_graph(adj: Any, sizes: Tuple[int, int], k: Optional[int], **kwargs) 
     # graph (_cached_graph_outside_compile). The graph's tensors then enter
     # the compiled code as inputs, so a new or edited adjacency is never
     # replayed stale. A fixed graph's CSR is cached: one lookup finds it.
-    graph = CSRGraph.cached(adj, sizes, **kwargs)
-    if graph is None:
-        if k is not None:
-            edge_list = edge_list_graph(adj, sizes, **kwargs)
-            if edge_list is not None:
-                return edge_list
+    if k is not None and edge_list.takes_edge_list(adj, kwargs.get("edge_weight"),
+                                                   kwargs.get("dtype", torch.float32)):
+        # One not cached may be served as its edge list (a new mini-batch's).
+        graph = CSRGraph.cached(adj, sizes, **kwargs)
+        if graph is None:
+            listed = edge_list_graph(adj, sizes, **kwargs)
+            if listed is not None:
+                return listed
+            graph = CSRGraph.from_adj(adj, sizes, **kwargs)
+    else:  # one lookup: a cache hit, or the build
         graph = CSRGraph.from_adj(adj, sizes, **kwargs)
     if k is not None:
         graph.operands_without_sync(k)  # built here, not in the compiled graph
