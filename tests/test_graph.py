@@ -241,6 +241,36 @@ def _clone(t):
     return None if t is None else t.clone()
 
 
+@pytest.mark.parametrize("edges", ["unsorted", "sorted", "none", "all into 0"])
+def test_a_cpu_build_appends_gin_root_loops_as_appending_them_to_the_edge_index(edges):
+    # The CPU build's kernel appends one loop i -> i per node itself; the
+    # graph (CSR, transposed graph, each edge's position in the list) equals
+    # the one built from the edge_index with the loops appended to it.
+    n = 9
+    ei = random_edge_index(n, n, 40, seed=3)
+    if edges == "sorted":
+        ei = ei[:, ei[1].argsort(stable=True)]
+    elif edges == "none":
+        ei = ei[:, :0]
+    elif edges == "all into 0":
+        ei[1] = 0
+    with_loops = torch.cat([ei, torch.arange(n).expand(2, n)], dim=1)
+    graph = CSRGraph.from_adj(ei, (n, n), root_loops=True, cache=False)
+    want = CSRGraph.from_adj(with_loops, (n, n), cache=False)
+    assert graph.root_loops and graph.num_edges == ei.size(1) + n
+    for got, expected in [(graph.rowptr, want.rowptr), (graph.col, want.col),
+                          *zip(graph.transposed(), want.transposed())]:
+        assert (got is None and expected is None) or torch.equal(got, expected)
+    order = torch.arange(graph.num_edges) if graph.edge_order is None else graph.edge_order
+    expected_order = (torch.arange(want.num_edges) if want.edge_order is None
+                      else want.edge_order)
+    assert torch.equal(order, expected_order)
+    with pytest.raises(IndexError, match="source node 9"):
+        bad = ei.clone() if ei.numel() else torch.tensor([[0], [0]])
+        bad[0, -1] = n
+        CSRGraph.from_adj(bad, (n, n), root_loops=True, cache=False)
+
+
 def test_cpu_build_names_the_first_node_out_of_range():
     with pytest.raises(IndexError, match="source node 7, outside \\[0, 3\\)"):
         CSRGraph.from_adj(torch.tensor([[0, 7, 9], [1, 1, 1]]), (3, 3), cache=False)

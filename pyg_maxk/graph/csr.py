@@ -85,7 +85,7 @@ def _group_on_cpu(src: Tensor, dst: Tensor, num_src: int, num_dst: int
     order = torch.empty(dst.numel(), dtype=torch.int64)
     bad, is_target, is_sorted = group_by_target(
         src.contiguous().numpy(), dst.contiguous().numpy(), num_src, rowptr.numpy(),
-        col.numpy(), order.numpy())
+        col.numpy(), order.numpy(), False)
     if bad >= 0:
         _raise_out_of_range(src, dst, num_src, num_dst, bad, is_target)
     return rowptr, col, None if is_sorted else order
@@ -113,15 +113,17 @@ def _or(array: Optional[np.ndarray], unset: np.ndarray) -> np.ndarray:
 
 
 def _csr_on_cpu(src: Tensor, dst: Tensor, edge_weight: Optional[Tensor],
-                size: Tuple[int, int], normalization: str, dtype: torch.dtype) -> "CSRGraph":
+                size: Tuple[int, int], normalization: str, dtype: torch.dtype,
+                loops: bool = False) -> "CSRGraph":
     """The graph of a CPU edge list with its operands, in one kernel call
     (:func:`~pyg_maxk.kernels.cpu.csr_of_edge_list`: range checks, both
-    groupings, the edge values) that writes every array in place into the
-    buffer the ops read: a new graph per batch is built on every step, and
-    a small one costs its host time, not its arithmetic."""
+    groupings, the edge values; with ``loops``, GIN's root loops appended
+    as :func:`_with_root_loops` appends them) that writes every array in
+    place into the buffer the ops read: a new graph per batch is built on
+    every step, and a small one costs its host time, not its arithmetic."""
     from ..kernels.cpu import csr_of_edge_list
     num_src, num_dst = size
-    num_edges = dst.numel()
+    num_edges = dst.numel() + (num_dst if loops else 0)
     if normalization == "gcn" and edge_weight is None:
         raise ValueError("gcn normalisation needs edge values")
     index = torch.int32 if max(num_edges, num_src, num_dst) <= INT32_MAX else torch.int64
@@ -139,7 +141,7 @@ def _csr_on_cpu(src: Tensor, dst: Tensor, edge_weight: Optional[Tensor],
         src.contiguous().numpy(), dst.contiguous().numpy(), weight, weighted, mean,
         arrays.rowptr, arrays.col, order, _or(arrays.weight, unset), values is not None,
         _or(arrays.row_scale, unset), scales is not None, arrays.colptr, arrays.row_t,
-        _or(arrays.weight_t, unset), order_t)
+        _or(arrays.weight_t, unset), order_t, loops)
     if bad >= 0:
         _raise_out_of_range(src, dst, num_src, num_dst, bad, is_target)
     graph = CSRGraph(views.rowptr, views.col, views.weight, size, normalization,
@@ -629,11 +631,17 @@ class CSRGraph:
             hit = _CACHE.get(anchors, versions, params)
             if hit is not None:
                 return hit
-        if root_loops:
-            adj = _with_root_loops(adj, size, edge_weight, normalization)
-        graph = _build(adj, size, edge_weight, normalization,
-                       use_sparse_tensor_values, gcn_improved,
-                       gcn_add_self_loops, dtype)
+        if root_loops and _loops_by_kernel(adj, dtype):
+            _check_root_loops(adj, size, edge_weight, normalization)
+            edges = plain(adj)
+            graph = _csr_on_cpu(edges[0], edges[1], None, (int(size[0]), int(size[1])),
+                                "sum", dtype, loops=True)
+        else:
+            if root_loops:
+                adj = _with_root_loops(adj, size, edge_weight, normalization)
+            graph = _build(adj, size, edge_weight, normalization,
+                           use_sparse_tensor_values, gcn_improved,
+                           gcn_add_self_loops, dtype)
         graph.root_loops = root_loops
         if normalization == "gcn":
             graph.gcn_options = (bool(gcn_improved), bool(gcn_add_self_loops))
@@ -666,6 +674,17 @@ def _with_root_loops(adj: Any, size, edge_weight: Optional[Tensor], normalizatio
     the stable sort by target puts each after the node's own edges, so that
     a row sums its neighbours, then the node itself (the order of
     :class:`~torch_geometric.nn.conv.GINConv`'s ``aggr + (1 + eps) * x``)."""
+    _check_root_loops(adj, size, edge_weight, normalization)
+    edges = plain(adj)
+    n = int(size[0])  # existing loops stay, as PyG's add_self_loops keeps them
+    loops = torch.arange(n, dtype=edges.dtype, device=edges.device).expand(2, n)
+    return torch.cat([edges, loops], dim=1)
+
+
+def _check_root_loops(adj: Any, size, edge_weight: Optional[Tensor],
+                      normalization: str) -> None:
+    """What root loops need: a square ``"sum"`` graph's ``edge_index``
+    without edge values."""
     if not isinstance(adj, Tensor) or is_sparse_tensor(adj) or is_torch_sparse(adj):
         raise ValueError("root_loops needs an edge_index [2, E] adjacency")
     if normalization != "sum" or edge_weight is not None:
@@ -673,10 +692,13 @@ def _with_root_loops(adj: Any, size, edge_weight: Optional[Tensor], normalizatio
     if size is None or size[0] is None or size[0] != size[1]:
         raise ValueError(f"root_loops needs a square adjacency, got size={size}")
     check_edge_index(adj)
-    edges = plain(adj)
-    n = int(size[0])  # existing loops stay, as PyG's add_self_loops keeps them
-    loops = torch.arange(n, dtype=edges.dtype, device=edges.device).expand(2, n)
-    return torch.cat([edges, loops], dim=1)
+
+
+def _loops_by_kernel(adj: Any, dtype: torch.dtype) -> bool:
+    """Whether a graph's root loops are appended by the CPU build's kernel
+    (:func:`_csr_on_cpu`) rather than to its ``edge_index``."""
+    return (isinstance(adj, Tensor) and not is_torch_sparse(adj)
+            and adj.device.type == "cpu" and dtype in CPU_DTYPES)
 
 
 def _simulated_kernels() -> bool:

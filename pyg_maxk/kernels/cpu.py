@@ -165,20 +165,24 @@ def transpose_rows(rowptr, col, colptr, row, order):
 
 @keyed_files
 @njit(cache=True)
-def group_by_target(src, dst, num_src, rowptr, col, order):
+def group_by_target(src, dst, num_src, rowptr, col, order, loops):
     """The edge list ``src[e] -> dst[e]`` as CSR, grouped by target:
     ``rowptr[num_dst + 1]``, ``col`` (each grouped edge's source) and
     ``order`` (its position in the list); each target's edges keep their
-    order (a counting sort, stable). One pass checks the ranges and whether
-    the list is sorted by target already (``order`` is then left unset).
-    Returns ``(bad, is_target, is_sorted)``: ``bad`` is -1, or the first
-    edge whose source (``is_target`` false) or target lies outside ``[0,
-    num_src)`` or ``[0, num_dst)`` (then the outputs are incomplete)."""
+    order (a counting sort, stable). With ``loops`` (a square graph), the
+    list is taken with one more edge ``i -> i`` per node appended, at
+    positions ``E + i``: each row ends with its node's loop. One pass checks
+    the ranges and whether the list is sorted by target already (``order``
+    is then left unset). Returns ``(bad, is_target, is_sorted)``: ``bad`` is
+    -1, or the first edge whose source (``is_target`` false) or target lies
+    outside ``[0, num_src)`` or ``[0, num_dst)`` (then the outputs are
+    incomplete)."""
     num_dst = rowptr.shape[0] - 1
+    num_edges = dst.shape[0]
     rowptr[:] = 0
     is_sorted = True
     previous = 0
-    for e in range(dst.shape[0]):
+    for e in range(num_edges):
         s, d = src[e], dst[e]
         if s < 0 or s >= num_src:
             return e, False, False
@@ -187,29 +191,43 @@ def group_by_target(src, dst, num_src, rowptr, col, order):
         is_sorted = is_sorted and d >= previous
         previous = d
         rowptr[d + 1] += 1
+    if loops:  # the appended loops 0, 1, ... follow the last target in order
+        is_sorted = is_sorted and (num_dst == 0 or previous <= 0)
+        for r in range(num_dst):
+            rowptr[r + 1] += 1
     for r in range(num_dst):
         rowptr[r + 1] += rowptr[r]
     if is_sorted:
-        for e in range(src.shape[0]):
+        for e in range(num_edges):
             col[e] = src[e]
+        if loops:
+            for r in range(num_dst):
+                col[num_edges + r] = r
         return -1, False, True
     cursor = rowptr[:num_dst].copy()
-    for e in range(dst.shape[0]):
+    for e in range(num_edges):
         d = dst[e]
         at = cursor[d]
         cursor[d] = at + 1
         col[at] = src[e]
         order[at] = e
+    if loops:
+        for r in range(num_dst):
+            at = cursor[r]
+            col[at] = r
+            order[at] = num_edges + r
     return -1, False, False
 
 
 @keyed_files
 @njit(cache=True)
 def csr_of_edge_list(src, dst, weight, has_weight, mean, rowptr, col, order, values,
-                     has_values, row_scale, has_row_scale, colptr, row_t, values_t, order_t):
+                     has_values, row_scale, has_row_scale, colptr, row_t, values_t, order_t,
+                     loops):
     """A new graph's every array from its edge list ``src[e] -> dst[e]`` in
     one call: the CSR of :func:`group_by_target` (``rowptr``, ``col``,
-    ``order``), its edge values in CSR order (``values``, written where
+    ``order``; with ``loops``, one more edge ``i -> i`` per node, which
+    takes no ``weight``), its edge values in CSR order (``values``, written where
     ``has_values``: ``weight`` where ``has_weight``, divided by the target's
     in-degree where ``mean``, as :func:`mean_edge_values` divides, whose
     reciprocals go to ``row_scale`` where ``has_row_scale``), and the graph
@@ -219,7 +237,7 @@ def csr_of_edge_list(src, dst, weight, has_weight, mean, rowptr, col, order, val
     Returns ``(bad, is_target, is_sorted)`` as :func:`group_by_target`
     (then nothing else is written)."""
     bad, is_target, is_sorted = group_by_target(src, dst, colptr.shape[0] - 1, rowptr, col,
-                                                order)
+                                                order, loops)
     if bad >= 0:
         return bad, is_target, is_sorted
     if has_weight:
