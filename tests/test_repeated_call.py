@@ -174,8 +174,11 @@ def test_a_new_edge_index_per_step_repeats_over_its_edge_list(model, graph_and_x
     out = net(x, other.clone())
     for conv in net.convs:
         assert isinstance(conv.__dict__["_last_fused"][0], EdgeListGraph)
-    # The edge list's float atomics add in any order.
-    torch.testing.assert_close(out, reference(x, other.clone()))
+    # The edge list's float atomics add in any order: two first calls differ
+    # by about 1e-7 of the output's scale (GIN's sums reach a few hundred).
+    expected = reference(x, other.clone())
+    torch.testing.assert_close(out, expected, atol=1e-6 * expected.abs().max().item(),
+                               rtol=1.3e-6)
 
 
 @pytest.mark.parametrize("kind", KINDS)
