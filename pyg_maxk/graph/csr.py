@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..dispatch import CPU_DTYPES
 from .adjacency import (
     as_sparse_csr,
     check_edge_index,
@@ -31,8 +32,6 @@ from .operands import (
 )
 from .schedule import WorkSchedule, max_edges_per_item, numba_builds, work_schedule
 
-#: Types of edge values the CPU build computes with its Numba kernels.
-CPU_DTYPES = (torch.float32, torch.float64)
 INT32_MAX = 2**31 - 1
 #: Edges below which a graph built on a GPU checks its ``edge_index`` there
 #: and gets bounded work schedules (:class:`WorkSchedule`): no host sync, as
@@ -104,12 +103,8 @@ def _mean_on_cpu(rowptr: Tensor, weight: Optional[Tensor], num_edges: int,
     return values, inverse_degree
 
 
-#: Arrays of each CPU type that stand for one a kernel does not read.
-_UNSET = {torch.float32: np.empty(0, np.float32), torch.float64: np.empty(0, np.float64)}
-
-
-def _or(array: Optional[np.ndarray], unset: np.ndarray) -> np.ndarray:
-    return unset if array is None else array
+def _or(array: Optional[np.ndarray], unread: np.ndarray) -> np.ndarray:
+    return unread if array is None else array
 
 
 def _csr_on_cpu(src: Tensor, dst: Tensor, edge_weight: Optional[Tensor],
@@ -122,6 +117,7 @@ def _csr_on_cpu(src: Tensor, dst: Tensor, edge_weight: Optional[Tensor],
     place into the buffer the ops read: a new graph per batch is built on
     every step, and a small one costs its host time, not its arithmetic."""
     from ..kernels.cpu import csr_of_edge_list
+    from ..ops.cpu_ops import UNREAD_1D
     num_src, num_dst = size
     num_edges = dst.numel() + (num_dst if loops else 0)
     if normalization == "gcn" and edge_weight is None:
@@ -135,13 +131,13 @@ def _csr_on_cpu(src: Tensor, dst: Tensor, edge_weight: Optional[Tensor],
         [num_dst, num_edges, 0, 0, num_src])
     order = np.empty(num_edges, np.int64)
     order_t = np.empty(num_edges, np.int64)
-    unset = _UNSET[dtype]  # stands for an array not read
-    weight = edge_weight.detach().to(dtype).contiguous().numpy() if weighted else unset
+    unread = UNREAD_1D[dtype]  # stands for an array not read
+    weight = edge_weight.detach().to(dtype).contiguous().numpy() if weighted else unread
     bad, is_target, is_sorted = csr_of_edge_list(
         src.contiguous().numpy(), dst.contiguous().numpy(), weight, weighted, mean,
-        arrays.rowptr, arrays.col, order, _or(arrays.weight, unset), values is not None,
-        _or(arrays.row_scale, unset), scales is not None, arrays.colptr, arrays.row_t,
-        _or(arrays.weight_t, unset), order_t, loops)
+        arrays.rowptr, arrays.col, order, _or(arrays.weight, unread), values is not None,
+        _or(arrays.row_scale, unread), scales is not None, arrays.colptr, arrays.row_t,
+        _or(arrays.weight_t, unread), order_t, loops)
     if bad >= 0:
         _raise_out_of_range(src, dst, num_src, num_dst, bad, is_target)
     graph = CSRGraph(views.rowptr, views.col, views.weight, size, normalization,

@@ -195,6 +195,20 @@ def edge_list_graph(adj: Any, size: Tuple[int, int], *, edge_weight: Optional[Te
     a fixed graph's CSR is worth building with them."""
     if not takes_edge_list(adj, edge_weight, dtype):
         return None
+    return taken_edge_list(adj, size, edge_weight=edge_weight, normalization=normalization,
+                           use_sparse_tensor_values=use_sparse_tensor_values,
+                           gcn_improved=gcn_improved, gcn_add_self_loops=gcn_add_self_loops,
+                           dtype=dtype)
+
+
+def taken_edge_list(adj: Tensor, size: Tuple[int, int], *, edge_weight: Optional[Tensor] = None,
+                    normalization: str = "sum", use_sparse_tensor_values: bool = True,
+                    gcn_improved: bool = False, gcn_add_self_loops: bool = True,
+                    dtype: torch.dtype = torch.float32,
+                    root_loops: bool = False) -> Optional[EdgeListGraph]:
+    """:func:`edge_list_graph` for an ``adj`` for which the caller has found
+    that :func:`takes_edge_list` holds: a new mini-batch's graph pays for
+    that check once."""
     anchors, versions = fingerprint(adj, edge_weight)
     params = graph_params(normalization, use_sparse_tensor_values, gcn_improved,
                           gcn_add_self_loops, dtype, size, False)  # an edge list has no loops

@@ -20,7 +20,6 @@ from ..graph import (
     EdgeListGraph,
     PackedGraph,
     edge_list,
-    edge_list_graph,
     graph_with_edge_values,
     is_edge_index_type,
     is_sparse_tensor,
@@ -82,7 +81,7 @@ def _cached_graph(adj: Any, sizes: Tuple[int, int], k: Optional[int], **kwargs) 
         # One not cached may be served as its edge list (a new mini-batch's).
         graph = CSRGraph.cached(adj, sizes, **kwargs)
         if graph is None:
-            listed = edge_list_graph(adj, sizes, **kwargs)
+            listed = edge_list.taken_edge_list(adj, sizes, **kwargs)
             if listed is not None:
                 return listed
             graph = CSRGraph.from_adj(adj, sizes, **kwargs)

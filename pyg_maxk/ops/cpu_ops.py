@@ -53,15 +53,16 @@ def gather_at(dense: Tensor, indices: Tensor) -> Tensor:
 
 #: Arrays that stand for an input a kernel is told not to read, by dtype
 #: (edge values of an unweighted graph, a gradient that is absent): one
-#: array per type, not an allocation per call.
-_UNREAD_1D = {torch.float32: np.zeros(1, np.float32), torch.float64: np.zeros(1, np.float64)}
-_UNREAD_2D = {dtype: a.reshape(1, 1) for dtype, a in _UNREAD_1D.items()}
+#: array per type, not an allocation per call. The graph build's kernel
+#: takes them too (:func:`pyg_maxk.graph.csr._csr_on_cpu`).
+UNREAD_1D = {torch.float32: np.zeros(1, np.float32), torch.float64: np.zeros(1, np.float64)}
+_UNREAD_2D = {dtype: a.reshape(1, 1) for dtype, a in UNREAD_1D.items()}
 
 
 def _weight(weight: Optional[Tensor], dtype: torch.dtype, like: Tensor):
     """(edge values as a numpy array of ``dtype``, whether they are real)."""
     if weight is None:
-        unread = _UNREAD_1D.get(dtype)
+        unread = UNREAD_1D.get(dtype)
         return (like.new_empty(1, dtype=dtype).numpy() if unread is None else unread), False
     return weight.detach().to(dtype).contiguous().numpy(), True
 
