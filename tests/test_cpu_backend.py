@@ -263,8 +263,10 @@ def cpu_maxk(x: torch.Tensor, k: int) -> CBSR:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("dim,k", [(256, 32), (100, 7), (1433, 1), (70, 69), (256, 255),
-                                   (300, 64), (33, 32)])
+# (256, 32), (64, 16), (128, 8) and (8, 3): rows a power of two times the
+# groups long, whose maxima the kernel folds by halving; the rest by runs.
+@pytest.mark.parametrize("dim,k", [(256, 32), (64, 16), (128, 8), (8, 3), (100, 7), (1433, 1),
+                                   (70, 69), (256, 255), (300, 64), (33, 32)])
 def test_maxk_select_matches_topk(dtype, dim, k, monkeypatch):
     calls, original = [], cpu_ops.maxk_select
     monkeypatch.setattr(cpu_ops, "maxk_select", lambda x, k: calls.append(k) or original(x, k))
@@ -278,11 +280,11 @@ def test_maxk_select_matches_topk(dtype, dim, k, monkeypatch):
     torch.testing.assert_close(x.grad, torch.zeros_like(x).scatter(1, h.indices.long(), g))
 
 
-@pytest.mark.parametrize("k", [1, 20, 69])
-def test_maxk_select_many_ties_negatives_and_signed_zeros(k):
+@pytest.mark.parametrize("dim,k", [(70, 1), (70, 20), (70, 69), (64, 1), (64, 16)])
+def test_maxk_select_many_ties_negatives_and_signed_zeros(dim, k):
     # Few distinct values: the k-th largest is tied, and bisection cannot
-    # narrow the candidates down to exactly k.
-    x = few_valued_rows(k)
+    # narrow the candidates down to exactly k (64 wide: folded maxima).
+    x = few_valued_rows(k, dim=dim)
     h = cpu_maxk(x, k)
     assert_same_selection(h, x, k)
     assert_ties_keep_lowest_columns(h, x)

@@ -351,7 +351,7 @@ def select_rows(x, k, values, indices):
             if need <= 0:
                 _write_first_nans(row, k, values[r], indices[r])
                 continue
-            lo, hi = _search_bounds(row, k, tops, nans, point)
+            lo, hi = _search_bounds(row, k, tops, nans, point, cand)
             count_lo = _count_at_least(row, lo)
             lo, count_lo = _narrow(row, need, lo, hi, count_lo, point)
             if count_lo == need and nans == 0:  # the kept entries are those >= lo
@@ -475,18 +475,19 @@ def _write_first_nans(row, k, values, indices):
 
 @keyed_files
 @njit(cache=True, inline="always")
-def _search_bounds(row, k, tops, nans, point):
+def _search_bounds(row, k, tops, nans, point, scratch):
     """``(lo, hi)``: at least ``k`` numbers of ``row`` lie at or above ``lo``
     (each of ``g >= k`` groups ``{j, j + g, j + 2g, ...}`` holds its maximum,
     which is ``>= lo``; at least :data:`SELECT_MIN_GROUPS` groups, so that
     the maxima vectorise) and ``hi`` is its largest. With NaNs in the row,
-    ``(-inf, inf)``. Both in the row's dtype (``point`` rounds them)."""
+    ``(-inf, inf)``. Both in the row's dtype (``point`` rounds them);
+    ``scratch`` holds at least half a row."""
     if nans > 0:
         point[0] = -np.inf
         point[1] = np.inf
         return point[0], point[1]
     groups = tops[:min(row.shape[0], max(k, SELECT_MIN_GROUPS))]
-    _group_maxima(row, groups)
+    _group_maxima(row, groups, scratch)
     lo = groups[0]
     hi = groups[0]
     for j in range(1, groups.shape[0]):
@@ -497,12 +498,32 @@ def _search_bounds(row, k, tops, nans, point):
 
 @keyed_files
 @njit(fastmath={"nnan", "nsz"}, cache=True)
-def _group_maxima(row, tops):
+def _group_maxima(row, tops, scratch):
     """``tops[j]``: the largest of ``row[j], row[j + k], ...`` for ``k =
     len(tops)``, for a row without NaN (the flags let the maxima vectorise;
-    the sign of a zero maximum may differ, its value does not)."""
+    the sign of a zero maximum may differ, its value does not). Where the
+    row is ``k`` times a power of two long, by halving: each pass takes the
+    larger of the first and second half of the last pass's entries, in
+    ``scratch`` (half a row), until ``k`` remain (long element-wise passes
+    vectorise; a pass per run of ``k`` would not, for the usual short runs)."""
     k = tops.shape[0]
     dim = row.shape[0]
+    runs = dim // k
+    if dim % k == 0 and runs & (runs - 1) == 0:
+        if runs == 1:
+            tops[:] = row
+            return
+        half = dim >> 1
+        for j in range(half):
+            a, b = row[j], row[j + half]
+            scratch[j] = a if a > b else b
+        while half > k:
+            half >>= 1
+            for j in range(half):
+                a, b = scratch[j], scratch[j + half]
+                scratch[j] = a if a > b else b
+        tops[:] = scratch[:k]
+        return
     whole = dim - dim % k  # the columns of whole runs of k
     for j in range(k):
         tops[j] = row[j]
